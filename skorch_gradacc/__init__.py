@@ -1,0 +1,25 @@
+"""Exact gradient accumulation for skorch nets.
+
+Train with the update of a large batch while only one micro-batch is in
+memory: ``GradAccNeuralNetClassifier(module, batch_size=16, acc_steps=8)``
+trains like ``NeuralNetClassifier(module, batch_size=128)``.
+"""
+
+from skorch_gradacc.mixin import GradAccMixin
+from skorch_gradacc.nets import (
+    GradAccNeuralNet,
+    GradAccNeuralNetBinaryClassifier,
+    GradAccNeuralNetClassifier,
+    GradAccNeuralNetRegressor,
+)
+
+__version__ = '0.1.0.dev0'
+
+__all__ = [
+    'GradAccMixin',
+    'GradAccNeuralNet',
+    'GradAccNeuralNetBinaryClassifier',
+    'GradAccNeuralNetClassifier',
+    'GradAccNeuralNetRegressor',
+    '__version__',
+]

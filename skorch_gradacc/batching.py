@@ -1,0 +1,106 @@
+"""Split a batch into micro-batches and join their outputs again.
+
+These helpers know the shapes of data that skorch's iterators yield: a pair
+``(X, y)`` whose members are tensors, numpy arrays, pandas objects, or dicts
+and lists/tuples of those. Splitting is done with
+:func:`skorch.utils.multi_indexing`, so tensors are split into views and no
+data is copied.
+"""
+
+import torch
+from skorch.dataset import get_len, unpack_data
+from skorch.utils import multi_indexing
+
+__all__ = ['concat_outputs', 'detach_outputs', 'split_batch']
+
+
+def split_batch(batch, micro_batch_size):
+    """Split a batch ``(X, y)`` into consecutive micro-batches.
+
+    Parameters
+    ----------
+    batch : tuple or list
+      A batch as yielded by the net's iterator, i.e. ``(X, y)``.
+
+    micro_batch_size : int
+      The largest number of rows in one micro-batch.
+
+    Returns
+    -------
+    micro_batches : list
+      The micro-batches, each of the same type as ``batch``. Every row of
+      ``batch`` is in exactly one of them, in the original order; all but
+      the last hold ``micro_batch_size`` rows.
+
+    Examples
+    --------
+    >>> import torch
+    >>> X, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+    >>> [len(Xi) for Xi, yi in split_batch((X, y), 2)]
+    [2, 2, 1]
+
+    """
+    Xi, yi = unpack_data(batch)
+    n_rows = get_len(Xi)
+    micro_batches = []
+    for start in range(0, n_rows, micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        Xm = multi_indexing(Xi, rows)
+        ym = None if yi is None else multi_indexing(yi, rows)
+        micro_batches.append((Xm, ym) if isinstance(batch, tuple) else [Xm, ym])
+    return micro_batches
+
+
+def _apply(fn, outputs):
+    """Apply ``fn`` to parallel lists of tensors in nested outputs."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return fn(outputs)
+    if isinstance(first, dict):
+        return {key: _apply(fn, [out[key] for out in outputs]) for key in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(
+            _apply(fn, [out[i] for out in outputs]) for i in range(len(first)))
+    raise TypeError(
+        "Cannot join module outputs of type {}; return tensors, or dicts, "
+        "tuples or lists of tensors from the module's forward.".format(
+            type(first).__name__))
+
+
+def detach_outputs(output):
+    """Detach a module output (a tensor or a nest of tensors) from its graph.
+
+    Examples
+    --------
+    >>> import torch
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> detach_outputs((w * 2, {'a': w * 3}))[1]['a'].requires_grad
+    False
+
+    """
+    return _apply(lambda tensors: tensors[0].detach(), [output])
+
+
+def concat_outputs(outputs):
+    """Concatenate the outputs of several micro-batches along the first axis.
+
+    Parameters
+    ----------
+    outputs : list
+      The module outputs of the micro-batches, in order. Each is a tensor, or
+      a dict, tuple or list of tensors with the same structure.
+
+    Returns
+    -------
+    output
+      One output of the same structure, as the module would have returned
+      for the whole batch.
+
+    Examples
+    --------
+    >>> import torch
+    >>> concat_outputs([torch.zeros(2, 3), torch.ones(1, 3)]).shape
+    torch.Size([3, 3])
+
+    """
+    return _apply(torch.cat, outputs)

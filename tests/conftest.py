@@ -1,0 +1,155 @@
+"""Shared fixtures and helpers.
+
+The oracle for most tests is plain skorch with ``batch_size * acc_steps``
+("the large-batch net") on the same data in the same order, in float64.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import make_classification, make_regression
+from skorch import NeuralNetClassifier, NeuralNetRegressor
+from skorch.callbacks import Callback
+
+from skorch_gradacc import GradAccNeuralNetClassifier, GradAccNeuralNetRegressor
+
+# float64 for every test: tolerances can then be tight.
+DTYPE = torch.float64
+PARAM_ATOL = 1e-10
+
+
+class MLPClassifier(torch.nn.Module):
+    """A small MLP with softmax output (no BatchNorm, no dropout)."""
+
+    def __init__(self, n_in=10, n_hidden=16, n_out=3):
+        super().__init__()
+        self.hidden = torch.nn.Linear(n_in, n_hidden, dtype=DTYPE)
+        self.output = torch.nn.Linear(n_hidden, n_out, dtype=DTYPE)
+
+    def forward(self, X):
+        return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
+
+
+class MLPRegressor(torch.nn.Module):
+    def __init__(self, n_in=10, n_hidden=16):
+        super().__init__()
+        self.hidden = torch.nn.Linear(n_in, n_hidden, dtype=DTYPE)
+        self.output = torch.nn.Linear(n_hidden, 1, dtype=DTYPE)
+
+    def forward(self, X):
+        return self.output(torch.tanh(self.hidden(X)))
+
+
+class RecordParams(Callback):
+    """Keep a copy of the module's parameters at the end of every epoch."""
+
+    def initialize(self):
+        self.params_ = []
+        return self
+
+    def on_epoch_end(self, net, **kwargs):
+        self.params_.append(copy.deepcopy(net.module_.state_dict()))
+
+
+def classification_data(n_samples=203, seed=0):
+    X, y = make_classification(
+        n_samples=n_samples, n_features=10, n_informative=6, n_classes=3,
+        random_state=seed)
+    return X.astype(np.float64), y.astype(np.int64)
+
+
+def regression_data(n_samples=203, seed=0):
+    X, y = make_regression(
+        n_samples=n_samples, n_features=10, noise=1.0, random_state=seed)
+    return X.astype(np.float64), (y / 100).astype(np.float64).reshape(-1, 1)
+
+
+@pytest.fixture
+def clf_data():
+    return classification_data()
+
+
+@pytest.fixture
+def reg_data():
+    return regression_data()
+
+
+def make_nets(acc_steps, batch_size=8, kind='classifier', **kwargs):
+    """Return ``(accumulating net, large-batch net)`` with identical settings.
+
+    Both record their parameters after each epoch in the ``record_params``
+    callback.
+    """
+    if kind == 'classifier':
+        acc_cls, plain_cls, module = (
+            GradAccNeuralNetClassifier, NeuralNetClassifier, MLPClassifier)
+    else:
+        acc_cls, plain_cls, module = (
+            GradAccNeuralNetRegressor, NeuralNetRegressor, MLPRegressor)
+    module = kwargs.pop('module', module)
+    kwargs.setdefault('max_epochs', 3)
+    kwargs.setdefault('lr', 0.1)
+    kwargs.setdefault('verbose', 0)
+    callbacks = kwargs.pop('callbacks', [])
+    acc_net = acc_cls(
+        module, batch_size=batch_size, acc_steps=acc_steps,
+        callbacks=[('record_params', RecordParams())] + callbacks, **kwargs)
+    plain_net = plain_cls(
+        module, batch_size=batch_size * acc_steps,
+        callbacks=[('record_params', RecordParams())] + copy.deepcopy(callbacks),
+        **kwargs)
+    return acc_net, plain_net
+
+
+def fit_seeded(net, X, y=None, seed=0, **fit_params):
+    """Fit with a fixed torch seed, so that two nets see the same order."""
+    torch.manual_seed(seed)
+    return net.fit(X, y, **fit_params)
+
+
+def fit_pair(acc_steps, X, y, batch_size=8, kind='classifier', **kwargs):
+    acc_net, plain_net = make_nets(acc_steps, batch_size, kind=kind, **kwargs)
+    return fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+
+
+def max_param_diff(net_a, net_b):
+    """The largest absolute parameter difference after each epoch."""
+    diffs = []
+    for params_a, params_b in zip(
+            dict(net_a.callbacks_)['record_params'].params_,
+            dict(net_b.callbacks_)['record_params'].params_):
+        assert params_a.keys() == params_b.keys()
+        diffs.append(max(
+            (params_a[key] - params_b[key]).abs().max().item()
+            for key in params_a))
+    assert len(diffs) == len(net_a.history) == len(net_b.history)
+    return max(diffs)
+
+
+def train_rows(history, epoch=-1):
+    """The training batch rows of one epoch."""
+    return [row for row in history[epoch, 'batches'] if 'train_loss' in row]
+
+
+def assert_same_history(acc_net, plain_net, rtol=1e-10):
+    """Epoch losses, scores, and training batch rows are the same."""
+    hist_a, hist_b = acc_net.history, plain_net.history
+    assert len(hist_a) == len(hist_b)
+    for epoch_a, epoch_b in zip(hist_a, hist_b):
+        keys = set(epoch_a) - {'dur', 'batches', 'valid_batch_count'}
+        assert keys == set(epoch_b) - {'dur', 'batches', 'valid_batch_count'}
+        for key in sorted(keys):
+            if isinstance(epoch_a[key], float):
+                np.testing.assert_allclose(
+                    epoch_a[key], epoch_b[key], rtol=rtol, err_msg=key)
+            else:
+                assert epoch_a[key] == epoch_b[key], key
+    for epoch in range(len(hist_a)):
+        rows_a, rows_b = train_rows(hist_a, epoch), train_rows(hist_b, epoch)
+        assert [row['train_batch_size'] for row in rows_a] == [
+            row['train_batch_size'] for row in rows_b]
+        np.testing.assert_allclose(
+            [row['train_loss'] for row in rows_a],
+            [row['train_loss'] for row in rows_b], rtol=rtol)

@@ -1,0 +1,136 @@
+"""Invariant 3: callbacks see one batch per optimizer step, with the whole,
+normalised gradient, and so behave as on the large-batch net."""
+
+import numpy as np
+import pytest
+import torch
+from skorch.callbacks import (
+    BatchScoring,
+    Callback,
+    EpochScoring,
+    GradientNormClipping,
+    LRScheduler,
+)
+
+from conftest import PARAM_ATOL, assert_same_history, fit_pair, max_param_diff
+
+
+class RecordSteps(Callback):
+    """Record each training batch's size, gradient, and what it was given."""
+
+    def initialize(self):
+        self.batch_begin_sizes_ = []
+        self.batch_end_ = []
+        self.grads_ = []
+        return self
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        if training:
+            self.batch_begin_sizes_.append(len(batch[0]))
+
+    def on_grad_computed(self, net, named_parameters, batch=None,
+                         training=False, **kwargs):
+        self.grads_.append(torch.cat(
+            [param.grad.flatten().clone() for _, param in named_parameters]))
+
+    def on_batch_end(self, net, batch=None, training=False, **kwargs):
+        if training:
+            self.batch_end_.append(
+                (len(batch[0]), kwargs['loss'], kwargs['y_pred']))
+
+
+@pytest.fixture
+def recorded_pair(clf_data):
+    X, y = clf_data
+    acc_net, plain_net = fit_pair(
+        4, X, y, callbacks=[('record_steps', RecordSteps())])
+    return (dict(acc_net.callbacks_)['record_steps'],
+            dict(plain_net.callbacks_)['record_steps'])
+
+
+class TestCallbackCalls:
+    def test_batch_begin_and_end_once_per_step(self, recorded_pair):
+        acc, plain = recorded_pair
+        # 162 training samples a epoch, groups of 32: 6 steps, the last of 2
+        assert acc.batch_begin_sizes_ == plain.batch_begin_sizes_
+        assert acc.batch_begin_sizes_[:6] == [32, 32, 32, 32, 32, 2]
+        assert [size for size, _, _ in acc.batch_end_] == acc.batch_begin_sizes_
+
+    def test_grad_computed_once_per_step_with_whole_gradient(self, recorded_pair):
+        acc, plain = recorded_pair
+        assert len(acc.grads_) == len(plain.grads_) == 18
+        for grad_acc, grad_plain in zip(acc.grads_, plain.grads_):
+            torch.testing.assert_close(grad_acc, grad_plain, rtol=0, atol=1e-12)
+
+    def test_batch_end_gets_group_loss_and_predictions(self, recorded_pair):
+        acc, plain = recorded_pair
+        for (_, loss_acc, y_acc), (_, loss_plain, y_plain) in zip(
+                acc.batch_end_, plain.batch_end_):
+            torch.testing.assert_close(
+                loss_acc, loss_plain.detach(), rtol=1e-12, atol=0)
+            torch.testing.assert_close(y_acc, y_plain.detach(), rtol=1e-10,
+                                       atol=1e-12)
+
+    def test_batch_end_gets_detached_tensors(self, recorded_pair):
+        acc, _ = recorded_pair
+        full_groups = [step for step in acc.batch_end_ if step[0] == 32]
+        assert full_groups
+        for _, loss, y_pred in full_groups:
+            assert not loss.requires_grad
+            assert not y_pred.requires_grad
+
+
+SCHEDULERS = {
+    'step': dict(policy=torch.optim.lr_scheduler.StepLR, step_size=2,
+                 gamma=0.5),
+    'one-cycle': dict(policy=torch.optim.lr_scheduler.OneCycleLR,
+                      max_lr=0.5, total_steps=18),
+    'cyclic': dict(policy=torch.optim.lr_scheduler.CyclicLR, base_lr=0.01,
+                   max_lr=0.5, step_size_up=4),
+}
+
+
+class TestCallbacksBehaveAsOnLargeBatchNet:
+    @pytest.mark.parametrize('name', sorted(SCHEDULERS))
+    def test_lr_scheduler_per_batch(self, clf_data, name):
+        X, y = clf_data
+        scheduler = LRScheduler(
+            step_every='batch', event_name='event_lr', **SCHEDULERS[name])
+        acc_net, plain_net = fit_pair(
+            4, X, y, optimizer__momentum=0.9,
+            callbacks=[('scheduler', scheduler)])
+        lrs = [row['event_lr'] for row in acc_net.history[-1, 'batches']
+               if 'event_lr' in row]
+        assert len(lrs) == 6  # one per step, not one per micro-batch
+        assert len(set(lrs)) > 1
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+        assert (acc_net.history[:, 'batches', :, 'event_lr']
+                == plain_net.history[:, 'batches', :, 'event_lr'])
+
+    def test_gradient_norm_clipping(self, clf_data):
+        X, y = clf_data
+        clipping = GradientNormClipping(gradient_clip_value=0.05)
+        acc_net, plain_net = fit_pair(4, X, y, callbacks=[('clip', clipping)])
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        unclipped, _ = fit_pair(4, X, y)
+        # clipping took effect: without it the parameters differ
+        assert max_param_diff(acc_net, unclipped) > 1e-3
+
+    def test_train_scoring(self, clf_data):
+        X, y = clf_data
+        callbacks = [
+            ('train_acc', EpochScoring(
+                'accuracy', on_train=True, name='train_acc',
+                lower_is_better=False)),
+            ('train_batch_acc', BatchScoring('accuracy', on_train=True,
+                                       name='train_batch_acc')),
+            ('valid_batch_acc', BatchScoring('accuracy', name='valid_batch_acc')),
+        ]
+        acc_net, plain_net = fit_pair(4, X, y, callbacks=callbacks)
+        assert_same_history(acc_net, plain_net)
+        np.testing.assert_allclose(
+            acc_net.history[:, 'train_batch_acc'],
+            plain_net.history[:, 'train_batch_acc'], rtol=1e-10)
+        assert acc_net.history[:, 'train_acc'] == plain_net.history[
+            :, 'train_acc']

@@ -1,0 +1,125 @@
+"""Normalisation: each group is weighted by what it really contains."""
+
+import numpy as np
+import pytest
+import torch
+from skorch import NeuralNet
+
+from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
+
+from conftest import (
+    DTYPE,
+    PARAM_ATOL,
+    assert_same_history,
+    classification_data,
+    fit_pair,
+    fit_seeded,
+    make_nets,
+    max_param_diff,
+)
+
+IGNORE = -100
+VOCAB, SEQ_LEN = 11, 7
+
+
+class TokenTagger(torch.nn.Module):
+    """Per-token logits, shaped (batch, vocab, sequence) for CrossEntropyLoss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 8, dtype=DTYPE)
+        self.output = torch.nn.Linear(8, VOCAB, dtype=DTYPE)
+
+    def forward(self, X):
+        return self.output(torch.tanh(self.embedding(X))).permute(0, 2, 1)
+
+
+class TokenGradAccNet(GradAccNeuralNet):
+    def count_loss_items(self, batch):
+        _, y = batch
+        return int((y != IGNORE).sum())
+
+
+def token_data(n_samples=101, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.randint(0, VOCAB, size=(n_samples, SEQ_LEN))
+    y = np.roll(X, -1, axis=1)
+    lengths = rng.randint(1, SEQ_LEN + 1, size=n_samples)
+    y[np.arange(SEQ_LEN)[None, :] >= lengths[:, None]] = IGNORE
+    return X.astype(np.int64), y.astype(np.int64)
+
+
+def token_nets(acc_cls, acc_steps=4, batch_size=4):
+    kwargs = dict(
+        criterion=torch.nn.CrossEntropyLoss, criterion__ignore_index=IGNORE,
+        lr=0.5, max_epochs=3, verbose=0, train_split=None,
+        iterator_train__shuffle=True)
+    acc_net = acc_cls(TokenTagger, batch_size=batch_size, acc_steps=acc_steps,
+                      **kwargs)
+    plain_net = NeuralNet(TokenTagger, batch_size=batch_size * acc_steps,
+                          **kwargs)
+    return acc_net, plain_net
+
+
+def params_diff(net_a, net_b):
+    state_b = net_b.module_.state_dict()
+    return max((value - state_b[key]).abs().max().item()
+               for key, value in net_a.module_.state_dict().items())
+
+
+class TestTokenLevelLoss:
+    def test_weighting_by_tokens_matches_large_batch(self):
+        X, y = token_data()
+        acc_net, plain_net = token_nets(TokenGradAccNet)
+        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        assert params_diff(acc_net, plain_net) < PARAM_ATOL
+        np.testing.assert_allclose(
+            acc_net.history[:, 'train_loss'], plain_net.history[:, 'train_loss'],
+            rtol=1e-10)
+
+    def test_weighting_by_samples_is_not_exact_for_tokens(self):
+        # shows that the test above can fail: the default counts samples
+        X, y = token_data()
+        acc_net, plain_net = token_nets(GradAccNeuralNet)
+        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        assert params_diff(acc_net, plain_net) > 1e-4
+
+    def test_micro_batch_without_tokens(self):
+        # a micro-batch whose targets are all ignored adds nothing
+        X, y = token_data(n_samples=32)
+        y[4:8] = IGNORE
+        acc_net, plain_net = token_nets(TokenGradAccNet)
+        acc_net.set_params(iterator_train__shuffle=False)
+        plain_net.set_params(iterator_train__shuffle=False)
+        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        assert params_diff(acc_net, plain_net) < PARAM_ATOL
+        assert np.isfinite(acc_net.history[:, 'train_loss']).all()
+
+
+class TestReduction:
+    def test_sum_reduction_is_not_rescaled(self, reg_data):
+        X, y = reg_data
+        # Validation runs at batch_size; for a summed loss the epoch's
+        # valid_loss depends on the validation batch size, so match it.
+        acc_net, plain_net = fit_pair(
+            4, X, y, kind='regressor', lr=1e-4, criterion__reduction='sum',
+            iterator_valid__batch_size=32)
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+
+
+class CountMicroBatches(GradAccNeuralNetClassifier):
+    """Divides by the number of micro-batches: exact only for equal sizes."""
+
+    def count_loss_items(self, batch):
+        return 1
+
+
+class TestNaiveNormalisationIsDetected:
+    @pytest.mark.parametrize('n_samples, exact', [(128, True), (203, False)])
+    def test_dividing_by_micro_batches(self, n_samples, exact):
+        X, y = classification_data(n_samples)
+        acc_net, plain_net = make_nets(4, train_split=None)
+        naive = CountMicroBatches(**acc_net.get_params())
+        fit_seeded(naive, X, y), fit_seeded(plain_net, X, y)
+        assert (max_param_diff(naive, plain_net) < PARAM_ATOL) == exact

@@ -1,0 +1,97 @@
+"""The ``acc_steps`` hyper-parameter: validation and the sklearn API."""
+
+import pickle
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.model_selection import GridSearchCV, cross_val_score
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import FunctionTransformer
+
+from skorch_gradacc import GradAccNeuralNetClassifier
+
+from conftest import MLPClassifier, fit_seeded
+
+
+def make_net(**kwargs):
+    kwargs.setdefault('max_epochs', 2)
+    kwargs.setdefault('verbose', 0)
+    return GradAccNeuralNetClassifier(MLPClassifier, batch_size=8, **kwargs)
+
+
+class TestValidation:
+    @pytest.mark.parametrize('acc_steps', [
+        0, -1, 2.0, 1.5, '2', None, True, False, [2]])
+    def test_bad_values_raise_before_training(self, clf_data, acc_steps):
+        net = make_net(acc_steps=acc_steps)
+        msg = ("acc_steps must be a positive integer, got {!r} instead."
+               .format(acc_steps))
+        with pytest.raises(ValueError) as exc:
+            net.fit(*clf_data)
+        assert str(exc.value) == msg
+        assert not net.initialized_  # raised in initialize, before training
+
+    def test_set_params_after_initialize_is_checked(self, clf_data):
+        net = make_net(acc_steps=2).initialize()
+        net.set_params(acc_steps=0)
+        with pytest.raises(ValueError, match=r"got 0 instead"):
+            net.partial_fit(*clf_data)
+        assert len(net.history) == 0  # no epoch was started
+
+    @pytest.mark.parametrize('acc_steps', [np.int64(3), np.int32(2), 1, 1000])
+    def test_good_values(self, clf_data, acc_steps):
+        net = make_net(acc_steps=acc_steps, train_split=None, max_epochs=1)
+        net.fit(*clf_data)
+        n_micro_batches = int(np.ceil(len(clf_data[0]) / 8))
+        assert net.history[-1, 'train_batch_count'] == int(
+            np.ceil(n_micro_batches / acc_steps))
+
+
+class TestSklearnApi:
+    def test_get_set_params_and_clone(self):
+        net = make_net(acc_steps=4)
+        assert net.get_params()['acc_steps'] == 4
+        net.set_params(acc_steps=2)
+        assert clone(net).acc_steps == 2
+
+    def test_clone_of_fitted_net_is_unfitted_with_same_params(self, clf_data):
+        net = fit_seeded(make_net(acc_steps=3), *clf_data)
+        cloned = clone(net)
+        assert cloned.acc_steps == 3
+        assert not cloned.initialized_
+
+    def test_pickle_round_trip(self, clf_data):
+        X, y = clf_data
+        net = fit_seeded(make_net(acc_steps=3), X, y)
+        loaded = pickle.loads(pickle.dumps(net))
+        assert loaded.acc_steps == 3
+        np.testing.assert_array_equal(loaded.predict_proba(X),
+                                      net.predict_proba(X))
+
+    def test_pipeline_and_grid_search(self, clf_data):
+        X, y = clf_data
+        pipe = Pipeline([
+            ('scale', FunctionTransformer(lambda X: X / 2)),
+            ('net', make_net(train_split=None)),
+        ])
+        pipe.set_params(net__acc_steps=2)
+        assert pipe.get_params()['net__acc_steps'] == 2
+        search = GridSearchCV(
+            pipe, {'net__acc_steps': [1, 4], 'net__lr': [0.01, 0.1]},
+            cv=2, scoring='accuracy', refit=True)
+        search.fit(X, y)
+        assert len(search.cv_results_['params']) == 4
+        assert search.best_params_['net__acc_steps'] in (1, 4)
+        assert search.best_estimator_['net'].acc_steps == (
+            search.best_params_['net__acc_steps'])
+
+    def test_cross_val_score_is_reproducible(self, clf_data):
+        X, y = clf_data
+        net = make_net(acc_steps=4, train_split=None)
+        import torch
+        torch.manual_seed(0)
+        first = cross_val_score(net, X, y, cv=3)
+        torch.manual_seed(0)
+        second = cross_val_score(net, X, y, cv=3)
+        np.testing.assert_array_equal(first, second)
