@@ -12,12 +12,15 @@ Where things happen, in one place each:
 """
 
 import numbers
+import sys
 
 import torch
+from skorch.callbacks import ProgressBar
 from skorch.dataset import get_len, unpack_data
 from skorch.utils import TeeGenerator
 
 from skorch_gradacc.batching import concat_outputs, detach_outputs, split_batch
+from skorch_gradacc.callbacks import GradAccProgressBar
 
 __all__ = ['GradAccMixin']
 
@@ -98,6 +101,7 @@ class GradAccMixin:
     def _validate_params(self):
         super()._validate_params()
         self._check_acc_steps()
+        self._check_accelerate()
 
     def check_training_readiness(self):
         """Check that the net is ready to train, ``acc_steps`` included."""
@@ -106,6 +110,27 @@ class GradAccMixin:
         # so a bad acc_steps set after initialization is caught here, before
         # any training happens.
         self._check_acc_steps()
+
+    def _check_accelerate(self):
+        """Refuse combinations with ``AccelerateMixin`` that would be wrong."""
+        hf = sys.modules.get('skorch.hf')  # not imported: not an AccelerateMixin
+        if hf is None or not isinstance(self, hf.AccelerateMixin):
+            return
+        mro = type(self).__mro__
+        if mro.index(GradAccMixin) < mro.index(hf.AccelerateMixin):
+            raise ValueError(
+                "Put AccelerateMixin before GradAccMixin in the bases of {}, "
+                "e.g. class {}(AccelerateMixin, GradAccMixin, "
+                "NeuralNetClassifier), so that the accelerator prepares the "
+                "training iterator.".format(type(self).__name__,
+                                            type(self).__name__))
+        steps = getattr(self.accelerator, 'gradient_accumulation_steps', 1)
+        if steps != 1:
+            raise ValueError(
+                "The accelerator accumulates gradients itself "
+                "(gradient_accumulation_steps={}); with GradAccMixin, create "
+                "it with gradient_accumulation_steps=1 and set acc_steps={} on "
+                "the net instead.".format(steps, steps))
 
     def _check_acc_steps(self):
         acc_steps = self.acc_steps
@@ -118,6 +143,38 @@ class GradAccMixin:
                 "acc_steps must be a positive integer, got {!r} instead."
                 .format(acc_steps)
             )
+
+    def initialize_callbacks(self):
+        """Initialize the callbacks; progress bars count optimizer steps.
+
+        A plain :class:`skorch.callbacks.ProgressBar` in ``callbacks_`` is
+        replaced by a :class:`skorch_gradacc.GradAccProgressBar` with the same
+        parameters, whose bar is as long as the large-batch net's.
+
+        """
+        super().initialize_callbacks()
+        self.callbacks_ = [
+            (name, GradAccProgressBar(**cb.get_params()).initialize()
+             if type(cb) is ProgressBar else cb)
+            for name, cb in self.callbacks_
+        ]
+        return self
+
+    def fit_loop(self, X, y=None, epochs=None, **fit_params):
+        """skorch's fit loop; an interrupted group leaves no gradient behind.
+
+        If an exception or ``KeyboardInterrupt`` stops training in the middle
+        of a group, the parameters and optimizer state are those of the last
+        completed step, and the partial gradient of the broken group is
+        discarded before the exception propagates.
+
+        """
+        try:
+            return super().fit_loop(X, y, epochs=epochs, **fit_params)
+        except BaseException:
+            if self.initialized_:
+                self._zero_grad_optimizer()
+            raise
 
     def get_micro_batch_size(self):
         """Return the number of rows in one training micro-batch.
