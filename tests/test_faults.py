@@ -1,0 +1,186 @@
+"""Faults and edge cases: a clear error, or correct training, and nothing
+of a broken group is ever lost or leaked."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
+from skorch.dataset import Dataset
+
+from conftest import (
+    DTYPE,
+    PARAM_ATOL,
+    MLPClassifier,
+    assert_same_history,
+    classification_data,
+    fit_pair,
+    fit_seeded,
+    make_nets,
+    max_param_diff,
+)
+from skorch_gradacc import GradAccNeuralNetClassifier
+
+POISON = 1e6  # a feature value that makes PoisonedMLP raise
+
+
+class PoisonedMLP(MLPClassifier):
+    """Raises (or is interrupted) when it sees a poisoned sample."""
+
+    def __init__(self, error='value'):
+        super().__init__()
+        self.error = error
+
+    def forward(self, X):
+        if self.training and (X[:, 0] == POISON).any():
+            if self.error == 'interrupt':
+                raise KeyboardInterrupt
+            raise ValueError('bad batch')
+        return super().forward(X)
+
+
+class SnapshotSteps(Callback):
+    """Keep the parameters and optimizer state after every completed step."""
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.params_ = {k: v.clone() for k, v in
+                            net.module_.state_dict().items()}
+            self.optimizer_state_ = {
+                index: {k: v.clone() for k, v in state.items()}
+                for index, state in net.optimizer_.state_dict()['state'].items()}
+
+
+def poisoned_data():
+    X, y = classification_data(100)
+    # sample 45 is in micro-batch 6 (rows 40-47), i.e. in the middle of the
+    # second group of 4 micro-batches
+    X[45, 0] = POISON
+    return X, y
+
+
+def make_poisoned_net(error):
+    return GradAccNeuralNetClassifier(
+        PoisonedMLP, module__error=error, batch_size=8, acc_steps=4,
+        max_epochs=2, train_split=None, verbose=0, lr=0.1,
+        optimizer__momentum=0.9, callbacks=[('snapshot', SnapshotSteps())])
+
+
+def assert_at_last_completed_step(net):
+    snapshot = dict(net.callbacks_)['snapshot']
+    for key, value in net.module_.state_dict().items():
+        assert torch.equal(value, snapshot.params_[key]), key
+    state = net.optimizer_.state_dict()['state']
+    for index, values in snapshot.optimizer_state_.items():
+        for key, value in values.items():
+            assert torch.equal(state[index][key], value)
+    for param in net.module_.parameters():
+        assert param.grad is None or not param.grad.any()
+
+
+class TestBrokenGroup:
+    def test_exception_mid_group(self):
+        X, y = poisoned_data()
+        net = make_poisoned_net('value')
+        with pytest.raises(ValueError, match='bad batch'):
+            fit_seeded(net, X, y)
+        # one step was completed, the second group broke in its middle
+        assert len(net.history[-1, 'batches']) == 2
+        assert_at_last_completed_step(net)
+        # the history is still usable
+        assert net.history[-1, 'batches', 0, 'train_batch_size'] == 32
+        assert net.history[:, 'batches', :, 'train_loss'][0] == [
+            net.history[-1, 'batches', 0, 'train_loss']]
+
+    def test_keyboard_interrupt_mid_group(self, capsys):
+        X, y = poisoned_data()
+        net = make_poisoned_net('interrupt')
+        net.set_params(verbose=1)
+        fit_seeded(net, X, y)  # skorch stops training quietly on Ctrl-C
+        assert_at_last_completed_step(net)
+        # the completed step is recorded, the broken epoch has no summary
+        assert net.history[-1, 'batches', 0, 'train_batch_size'] == 32
+        assert 'train_loss' not in net.history[-1]
+        print(net.history)  # printing works
+        capsys.readouterr()
+
+    def test_broken_group_does_not_leak_into_next_fit(self):
+        X, y = poisoned_data()
+        net = make_poisoned_net('value')
+        with pytest.raises(ValueError):
+            fit_seeded(net, X, y)
+        # a poisoned gradient left in .grad would change the next step
+        for param in net.module_.parameters():
+            if param.grad is not None:
+                param.grad.fill_(1e3)
+        clean = X.copy()
+        clean[45, 0] = 0.0
+        reference = make_poisoned_net('value')
+        reference.initialize()
+        # deep copies: load_state_dict may share the tensors it is given
+        reference.module_.load_state_dict(copy.deepcopy(
+            net.module_.state_dict()))
+        reference.optimizer_.load_state_dict(copy.deepcopy(
+            net.optimizer_.state_dict()))
+        torch.manual_seed(1), net.partial_fit(clean, y)
+        torch.manual_seed(1), reference.partial_fit(clean, y)
+        for key, value in net.module_.state_dict().items():
+            assert torch.equal(value, reference.module_.state_dict()[key])
+
+
+class TestNonFiniteLoss:
+    def test_nan_input_behaves_as_plain_skorch(self, clf_data):
+        X, y = clf_data
+        X = X.copy()
+        X[50] = np.nan
+        acc_net, plain_net = fit_pair(4, X, y, max_epochs=2,
+                                      train_split=None)
+        # as in plain skorch, a NaN in one sample poisons the parameters; no
+        # crash, and the same history of NaNs
+        for net in (acc_net, plain_net):
+            assert all(torch.isnan(p).all() for p in net.module_.parameters())
+        np.testing.assert_array_equal(
+            np.isnan(acc_net.history[:, 'train_loss']),
+            np.isnan(plain_net.history[:, 'train_loss']))
+
+
+class TestEdgeCases:
+    def test_empty_training_data_trains_nothing_like_plain(self):
+        X, y = classification_data(20)
+        acc_net, plain_net = make_nets(4, train_split=None, max_epochs=1)
+        fit_seeded(acc_net, X[:0], y[:0]), fit_seeded(plain_net, X[:0], y[:0])
+        assert acc_net.history[-1, 'train_batch_count'] == 0
+        assert max_param_diff(acc_net, plain_net) == 0
+
+    @pytest.mark.parametrize('n_samples', [1, 5, 8])
+    def test_data_smaller_than_a_micro_batch(self, n_samples):
+        X, y = classification_data(40)
+        acc_net, plain_net = fit_pair(4, X[:n_samples], y[:n_samples],
+                                      train_split=None)
+        assert acc_net.history[-1, 'train_batch_count'] == 1
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
+    def test_drop_last_drops_the_partial_group(self, clf_data):
+        # as with the large batch: the incomplete last group is dropped
+        acc_net, plain_net = fit_pair(4, *clf_data, train_split=None,
+                                      iterator_train__drop_last=True)
+        assert [row['train_batch_size'] for row in
+                acc_net.history[-1, 'batches']] == [32] * 6
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+
+    def test_dataset_with_y_none(self, clf_data):
+        X, y = clf_data
+        dataset = Dataset(X, y)
+        acc_net, plain_net = make_nets(4, train_split=None)
+        fit_seeded(acc_net, dataset, None), fit_seeded(plain_net, dataset, None)
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+
+
+def test_float64_module_matches_plain_dtype():
+    # guard: the tests' modules really run in float64
+    assert MLPClassifier().hidden.weight.dtype == DTYPE
+    assert NeuralNetClassifier is not GradAccNeuralNetClassifier

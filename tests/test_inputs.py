@@ -1,0 +1,132 @@
+"""Every input type that skorch accepts trains like the large-batch net."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from skorch.dataset import Dataset
+
+from conftest import (
+    DTYPE,
+    PARAM_ATOL,
+    MLPClassifier,
+    assert_same_history,
+    fit_pair,
+    fit_seeded,
+    make_nets,
+    max_param_diff,
+)
+
+
+class TwoInputMLP(MLPClassifier):
+    """Takes a dict of two arrays, as skorch passes dicts as keywords."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Linear(2, 16, dtype=DTYPE)
+
+    def forward(self, first, second):
+        hidden = torch.tanh(self.hidden(first) + self.extra(second))
+        return torch.softmax(self.output(hidden), dim=-1)
+
+
+class ColumnsMLP(MLPClassifier):
+    """skorch passes a DataFrame's columns as keywords."""
+
+    def forward(self, **columns):
+        X = torch.cat([columns[name].reshape(len(columns[name]), -1)
+                       for name in sorted(columns)], dim=1)
+        return super().forward(X)
+
+
+class TupleOutputMLP(MLPClassifier):
+    """Returns a tuple; skorch's loss uses the first element."""
+
+    def forward(self, X):
+        probas = super().forward(X)
+        return probas, probas.sum(1)
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """A user's own map-style Dataset."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return torch.as_tensor(self.X[i]), torch.as_tensor(self.y[i])
+
+
+class StreamDataset(torch.utils.data.IterableDataset):
+    """An iterable dataset whose length is not known."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __iter__(self):
+        for Xi, yi in zip(self.X, self.y):
+            yield torch.as_tensor(Xi), torch.as_tensor(yi)
+
+
+def check(acc_net, plain_net):
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net)
+
+
+def test_tensors(clf_data):
+    X, y = clf_data
+    check(*fit_pair(4, torch.as_tensor(X), torch.as_tensor(y)))
+
+
+def test_dataframes(clf_data):
+    X, y = clf_data
+    X = pd.DataFrame(X, columns=list('abcdefghij'))
+    check(*fit_pair(4, X, pd.Series(y), module=ColumnsMLP))
+
+
+def test_dict_of_arrays(clf_data):
+    X, y = clf_data
+    X = {'first': X, 'second': X[:, :2] ** 2}
+    check(*fit_pair(4, X, y, module=TwoInputMLP))
+
+
+def test_tuple_module_output(clf_data):
+    X, y = clf_data
+
+    acc_net, plain_net = make_nets(4, module=TupleOutputMLP,
+                                   iterator_train__shuffle=True)
+
+    def first_output_loss(net):
+        def get_loss(y_pred, y_true, *args, **kwargs):
+            return type(net).get_loss(net, y_pred[0], y_true, *args, **kwargs)
+        return get_loss
+
+    for net in (acc_net, plain_net):
+        net.get_loss = first_output_loss(net)
+        fit_seeded(net, X, y)
+    check(acc_net, plain_net)
+
+
+@pytest.mark.parametrize('dataset_cls', [Dataset, ListDataset])
+def test_datasets(clf_data, dataset_cls):
+    X, y = clf_data
+    check(*fit_pair(4, dataset_cls(X, y), None, train_split=None,
+                    iterator_train__shuffle=True))
+
+
+def test_iterable_dataset_of_unknown_length(clf_data):
+    X, y = clf_data
+    acc_net, plain_net = fit_pair(4, StreamDataset(X, y), None,
+                                  train_split=None)
+    # the partial group at the end is stepped: 203 = 6 * 32 + 11
+    sizes = [row['train_batch_size'] for row in acc_net.history[-1, 'batches']]
+    assert sizes == [32] * 6 + [11]
+    check(acc_net, plain_net)
+
+
+def test_numpy_float_targets_for_regression(reg_data):
+    X, y = reg_data
+    check(*fit_pair(4, X, y.astype(np.float64), kind='regressor'))
