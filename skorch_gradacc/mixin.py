@@ -11,6 +11,7 @@ Where things happen, in one place each:
   :meth:`GradAccMixin.count_loss_items`.
 """
 
+import inspect
 import numbers
 import sys
 
@@ -98,6 +99,22 @@ class GradAccMixin:
         super().__init__(*args, **kwargs)
         self.acc_steps = acc_steps
 
+    def __init_subclass__(cls, **kwargs):
+        # scikit-learn's estimator checks read the parameters from the
+        # signature of __init__. Give each subclass an __init__ whose
+        # signature is that of the net it extends plus acc_steps, instead of
+        # the mixin's (*args, acc_steps=1, **kwargs).
+        super().__init_subclass__(**kwargs)
+        if '__init__' in vars(cls):
+            return
+
+        def __init__(self, *args, **kwargs):
+            super(cls, self).__init__(*args, **kwargs)
+
+        __init__.__signature__ = _signature_with_acc_steps(cls)
+        __init__.__qualname__ = cls.__qualname__ + '.__init__'
+        cls.__init__ = __init__
+
     def _validate_params(self):
         super()._validate_params()
         self._check_acc_steps()
@@ -161,7 +178,7 @@ class GradAccMixin:
         return self
 
     def fit_loop(self, X, y=None, epochs=None, **fit_params):
-        """skorch's fit loop; an interrupted group leaves no gradient behind.
+        """Skorch's fit loop; an interrupted group leaves no gradient behind.
 
         If an exception or ``KeyboardInterrupt`` stops training in the middle
         of a group, the parameters and optimizer state are those of the last
@@ -363,3 +380,20 @@ class GradAccMixin:
 
         self._step_optimizer(step_fn)
         return step_accumulator.get_step()
+
+
+def _signature_with_acc_steps(cls):
+    """The signature of the ``__init__`` that GradAccMixin extends in ``cls``,
+    with ``acc_steps`` added.
+    """
+    mro = cls.__mro__
+    extended = next(klass for klass in mro[mro.index(GradAccMixin) + 1:]
+                    if '__init__' in vars(klass))
+    signature = inspect.signature(extended.__init__)
+    params = [param for param in signature.parameters.values()
+              if param.kind != param.VAR_KEYWORD]
+    params.append(inspect.Parameter(
+        'acc_steps', inspect.Parameter.KEYWORD_ONLY, default=1))
+    params.extend(param for param in signature.parameters.values()
+                  if param.kind == param.VAR_KEYWORD)
+    return signature.replace(parameters=params)

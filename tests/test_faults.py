@@ -10,6 +10,8 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 from skorch.dataset import Dataset
 
+from skorch_gradacc import GradAccNeuralNetClassifier
+
 from conftest import (
     DTYPE,
     PARAM_ATOL,
@@ -21,7 +23,6 @@ from conftest import (
     make_nets,
     max_param_diff,
 )
-from skorch_gradacc import GradAccNeuralNetClassifier
 
 POISON = 1e6  # a feature value that makes PoisonedMLP raise
 

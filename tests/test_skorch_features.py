@@ -6,6 +6,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import (
     BatchScoring,
@@ -23,7 +24,8 @@ from skorch.callbacks import (
     WarmRestartLR,
 )
 from skorch.utils import params_for
-from sklearn.base import clone
+
+from skorch_gradacc import GradAccNeuralNetClassifier, GradAccProgressBar
 
 from conftest import (
     PARAM_ATOL,
@@ -34,7 +36,6 @@ from conftest import (
     make_nets,
     max_param_diff,
 )
-from skorch_gradacc import GradAccNeuralNetClassifier, GradAccProgressBar
 
 
 def assert_equivalent(acc_net, plain_net):

@@ -1,0 +1,126 @@
+"""Combining GradAccMixin with skorch's AccelerateMixin.
+
+The accelerator must not accumulate on its own: GradAccMixin does the
+accumulation, and the accelerator prepares the module, optimizer and
+iterators. The last test documents what skorch 1.4's own route
+(``Accelerator(gradient_accumulation_steps=k)``) computes instead.
+"""
+
+import numpy as np
+import pytest
+import torch
+from skorch import NeuralNetClassifier
+
+from skorch_gradacc import GradAccMixin
+
+from conftest import (
+    PARAM_ATOL,
+    MLPClassifier,
+    assert_same_history,
+    classification_data,
+    fit_seeded,
+    make_nets,
+    max_param_diff,
+)
+
+accelerate = pytest.importorskip('accelerate')
+from skorch.hf import AccelerateMixin  # noqa: E402
+
+
+class AcceleratedGradAccNet(AccelerateMixin, GradAccMixin, NeuralNetClassifier):
+    """The supported order: AccelerateMixin first."""
+
+
+class WrongOrderNet(GradAccMixin, AccelerateMixin, NeuralNetClassifier):
+    pass
+
+
+class AcceleratedNet(AccelerateMixin, NeuralNetClassifier):
+    """skorch's own accelerate route."""
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def accelerator(steps=1):
+    return accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
+
+
+def test_accelerated_grad_acc_net_matches_large_batch(clf_data):
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4, optimizer__momentum=0.9)
+    params = acc_net.get_params()
+    params.pop('device')
+    acc_net = AcceleratedGradAccNet(accelerator=accelerator(), **params)
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net)
+
+
+def test_wrong_order_is_refused_at_initialization():
+    net = WrongOrderNet(MLPClassifier, accelerator=accelerator(), acc_steps=2)
+    msg = ("Put AccelerateMixin before GradAccMixin in the bases of "
+           "WrongOrderNet, e.g. class WrongOrderNet(AccelerateMixin, "
+           "GradAccMixin, NeuralNetClassifier), so that the accelerator "
+           "prepares the training iterator.")
+    with pytest.raises(ValueError) as exc:
+        net.initialize()
+    assert str(exc.value) == msg
+
+
+def test_accelerator_that_accumulates_is_refused():
+    net = AcceleratedGradAccNet(MLPClassifier, accelerator=accelerator(4),
+                                acc_steps=2)
+    msg = ("The accelerator accumulates gradients itself "
+           "(gradient_accumulation_steps=4); with GradAccMixin, create it "
+           "with gradient_accumulation_steps=1 and set acc_steps=4 on the "
+           "net instead.")
+    with pytest.raises(ValueError) as exc:
+        net.initialize()
+    assert str(exc.value) == msg
+
+
+def test_skorch_accelerate_accumulation_keeps_only_last_micro_batch():
+    # skorch 1.4: train_step's closure zeroes the gradients before each
+    # backward, and on the step micro-batch the accelerator lets that
+    # through, so the update is the last micro-batch's gradient / k.
+    X, y = classification_data(32)
+    lr, k, batch_size = 0.1, 4, 8
+    net = AcceleratedNet(MLPClassifier, accelerator=accelerator(k),
+                         batch_size=batch_size, lr=lr, max_epochs=1,
+                         train_split=None, verbose=0)
+    torch.manual_seed(0)
+    net.initialize()
+    initial = {name: p.detach().clone()
+               for name, p in net.module_.named_parameters()}
+
+    # the gradient of the last micro-batch alone, from the initial weights
+    reference = NeuralNetClassifier(MLPClassifier, batch_size=batch_size,
+                                    train_split=None).initialize()
+    reference.module_.load_state_dict(initial)
+    reference.train_step_single((torch.as_tensor(X[-batch_size:]),
+                                 torch.as_tensor(y[-batch_size:])))
+    last_grad = {name: p.grad.clone()
+                 for name, p in reference.module_.named_parameters()}
+
+    net.partial_fit(X, y)
+    for name, param in net.module_.named_parameters():
+        expected = initial[name] - lr * last_grad[name] / k
+        torch.testing.assert_close(param.detach(), expected, rtol=0,
+                                   atol=1e-12)
+
+    # and that is far from the large-batch update
+    plain = NeuralNetClassifier(MLPClassifier, batch_size=batch_size * k,
+                                lr=lr, max_epochs=1, train_split=None,
+                                verbose=0).initialize()
+    plain.module_.load_state_dict(initial)
+    plain.partial_fit(X, y)
+    diff = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(
+        net.module_.parameters(), plain.module_.parameters()))
+    assert diff > 1e-3
+    assert np.isfinite(diff)
