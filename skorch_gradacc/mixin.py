@@ -383,8 +383,10 @@ class GradAccMixin:
 
 
 def _signature_with_acc_steps(cls):
-    """The signature of the ``__init__`` that GradAccMixin extends in ``cls``,
-    with ``acc_steps`` added.
+    """Return the signature of the ``__init__`` that ``cls`` extends.
+
+    That is the ``__init__`` that GradAccMixin's ``super()`` reaches, with
+    ``acc_steps`` added as a keyword-only parameter.
     """
     mro = cls.__mro__
     extended = next(klass for klass in mro[mro.index(GradAccMixin) + 1:]
