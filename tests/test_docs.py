@@ -1,0 +1,269 @@
+"""The documentation builds, and every recipe in it runs.
+
+Each ``.. code-block:: python`` block of ``docs/*.rst`` is executed. Blocks
+under the same section heading form one recipe: they run in order in one
+fresh namespace, so a recipe may be split by prose but never depends on
+another section (each FAQ answer stands alone). A page that is one script
+told in sections, like the quick start, says so with the comment
+``.. test-docs: one script per page``; its blocks then share one namespace.
+Examples written as doctests (``>>>``) in the pages are run with
+:mod:`doctest`. Code in other languages (``bash``, ``text``) is not run.
+
+A recipe fails the test when it raises, and recipes assert what the prose
+around them claims (e.g. that parameters match the large-batch net). Error
+tracebacks point at the line in the ``.rst`` file.
+
+The Sphinx build is the one ``docs/conf.py`` describes: offline, with
+warnings as errors.
+"""
+
+import doctest
+import re
+import sys
+import textwrap
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / 'docs'
+
+# A section title is a line of text underlined by one repeated punctuation
+# character, at least as long as the text (reStructuredText's rule).
+ADORNMENT = re.compile(r'^([=\-~^"\'`#*+:.])\1+\s*$')
+CODE_DIRECTIVE = re.compile(
+    r'^(?P<indent>[ \t]*)\.\. (?:code-block|code|sourcecode)::\s*(?P<lang>\S*)\s*$')
+PYTHON_LANGUAGES = {'python', 'python3', 'py'}
+ONE_SCRIPT = re.compile(r'^\.\. test-docs: one script per page\s*$', re.M)
+
+
+class Block:
+    """A Python code block: its page, section, first line, and source."""
+
+    def __init__(self, path, section, lineno, source):
+        self.path = path
+        self.section = section
+        self.lineno = lineno
+        self.source = source
+
+
+def _indent(line):
+    return len(line) - len(line.lstrip())
+
+
+def extract_blocks(path):
+    """Return the Python code blocks of one ``.rst`` page, in order.
+
+    ``lineno`` is the 1-based line of the block's first code line in the
+    page, so that compiled code can report the page's line numbers.
+    """
+    lines = Path(path).read_text(encoding='utf-8').splitlines()
+    blocks = []
+    section = '(top of page)'
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        following = lines[i + 1] if i + 1 < len(lines) else ''
+        text = line.strip()
+        if (text and not line[0].isspace() and not ADORNMENT.match(line)
+                and ADORNMENT.match(following)
+                and len(following.rstrip()) >= len(text)):
+            section = text
+            i += 2
+            continue
+
+        match = CODE_DIRECTIVE.match(line)
+        if not match:
+            i += 1
+            continue
+        directive_indent = len(match.group('indent'))
+        language = match.group('lang').lower()
+        i += 1
+        # the directive's options (":linenos:" and the like) come first
+        while i < len(lines) and lines[i].strip().startswith(':') and (
+                _indent(lines[i]) > directive_indent):
+            i += 1
+        body = []
+        first = None
+        while i < len(lines):
+            current = lines[i]
+            if current.strip() and _indent(current) <= directive_indent:
+                break
+            if first is None and current.strip():
+                first = i + 1
+            if first is not None:
+                body.append(current)
+            i += 1
+        if language in PYTHON_LANGUAGES and first is not None:
+            source = textwrap.dedent('\n'.join(body)).strip('\n') + '\n'
+            blocks.append(Block(Path(path), section, first, source))
+    return blocks
+
+
+def recipes():
+    """All recipes of all pages: ``(page, section, [blocks])`` in order."""
+    found = []
+    for path in sorted(DOCS.glob('*.rst')):
+        one_script = ONE_SCRIPT.search(path.read_text(encoding='utf-8'))
+        by_section = {}
+        for block in extract_blocks(path):
+            section = '(whole page)' if one_script else block.section
+            by_section.setdefault(section, []).append(block)
+        found.extend((path, section, blocks)
+                     for section, blocks in by_section.items())
+    return found
+
+
+RECIPES = recipes()
+
+
+def run_recipe(blocks, name='docs_recipe'):
+    """Run the blocks of one recipe in order, in one fresh module namespace.
+
+    The namespace is registered as a module while it runs, so that classes
+    defined in a recipe can be pickled and cloned like any user code.
+    """
+    module = types.ModuleType(name)
+    module.__file__ = str(blocks[0].path)
+    sys.modules[name] = module
+    try:
+        for block in blocks:
+            # leading newlines make tracebacks show the page's line numbers
+            code = compile('\n' * (block.lineno - 1) + block.source,
+                           str(block.path), 'exec')
+            exec(code, module.__dict__)
+    finally:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """Restore the global state that recipes may change, and run in tmp."""
+    monkeypatch.chdir(tmp_path)
+    torch_rng = torch.get_rng_state()
+    numpy_rng = np.random.get_state()
+    dtype = torch.get_default_dtype()
+    threads = torch.get_num_threads()
+    # The recipes' models are tiny: one thread is fastest, and avoids the
+    # slow-down of spinning OpenMP threads on a busy machine.
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        yield tmp_path
+    torch.set_rng_state(torch_rng)
+    np.random.set_state(numpy_rng)
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+    if 'accelerate' in sys.modules:
+        # Accelerator() keeps process-wide singletons; later tests must not
+        # inherit a recipe's gradient_accumulation_steps.
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    if 'matplotlib.pyplot' in sys.modules:
+        sys.modules['matplotlib.pyplot'].close('all')
+
+
+@pytest.mark.parametrize(
+    'path, section, blocks', RECIPES,
+    ids=['{}::{}'.format(path.name, section) for path, section, _ in RECIPES])
+def test_recipe_runs(path, section, blocks, isolated):
+    run_recipe(blocks)
+
+
+def test_doctest_examples_in_pages_pass(isolated):
+    for path in sorted(DOCS.glob('*.rst')):
+        result = doctest.testfile(
+            str(path), module_relative=False, verbose=False, report=True,
+            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, path.name
+
+
+class TestExtraction:
+    """The extraction finds the recipes, so the tests above can fail."""
+
+    def test_every_faq_question_has_a_recipe(self):
+        faq = DOCS / 'faq.rst'
+        sections = [section for path, section, _ in RECIPES if path == faq]
+        assert len(sections) >= 7
+        for section in sections:
+            assert section.endswith('?'), section
+
+    def test_pages_with_recipes(self):
+        pages = {path.name for path, _, _ in RECIPES}
+        assert {'quickstart.rst', 'how_it_works.rst', 'faq.rst'} <= pages
+
+    def test_blocks_split_by_section_keep_page_line_numbers(self, tmp_path):
+        page = tmp_path / 'page.rst'
+        page.write_text(textwrap.dedent('''\
+            Title
+            =====
+
+            How do I fail?
+            --------------
+
+            Text.
+
+            .. code-block:: python
+               :caption: a caption
+
+               x = 1
+
+            More text.
+
+            .. code-block:: python
+
+                assert x == 2
+
+            .. code-block:: bash
+
+               echo not python
+
+            Other section
+            -------------
+
+            .. code:: python
+
+               y = 3
+            '''))
+        blocks = extract_blocks(page)
+        assert [(b.section, b.lineno, b.source) for b in blocks] == [
+            ('How do I fail?', 12, 'x = 1\n'),
+            ('How do I fail?', 18, 'assert x == 2\n'),
+            ('Other section', 29, 'y = 3\n'),
+        ]
+        # a broken recipe fails, and the traceback names the page's line
+        with pytest.raises(AssertionError) as excinfo:
+            run_recipe(blocks[:2])
+        assert excinfo.traceback[-1].lineno + 1 == 18
+        assert str(excinfo.traceback[-1].path) == str(page)
+
+
+# myst-parser itself uses a Sphinx API that Sphinx 9 deprecates
+@pytest.mark.filterwarnings(
+    'ignore:.*is deprecated. Check CHANGES for Sphinx API modifications')
+def test_docs_build_offline_without_warnings(tmp_path, monkeypatch):
+    from sphinx.cmd.build import build_main
+
+    monkeypatch.delenv('SKORCH_GRADACC_INTERSPHINX', raising=False)
+    warning_file = tmp_path / 'warnings.txt'
+    status = build_main([
+        '-W', '--keep-going', '-q', '-b', 'html',
+        '-d', str(tmp_path / 'doctrees'), '-w', str(warning_file),
+        str(DOCS), str(tmp_path / 'html'),
+    ])
+    warnings_text = (warning_file.read_text() if warning_file.exists()
+                     else '')
+    assert status == 0, warnings_text
+    assert warnings_text == ''
+    for page in ('index', 'installation', 'quickstart', 'how_it_works',
+                 'faq', 'api', 'changes'):
+        assert (tmp_path / 'html' / (page + '.html')).exists(), page
+    api = (tmp_path / 'html' / 'api.html').read_text(encoding='utf-8')
+    import skorch_gradacc
+    for name in skorch_gradacc.__all__:
+        if name != '__version__':
+            assert 'skorch_gradacc.' + name in api, name
+    assert 'track_activation_memory' in api

@@ -1,0 +1,94 @@
+"""The notebooks run top to bottom, and are committed with their outputs.
+
+Each notebook in ``notebooks/`` is executed with nbclient in a fresh kernel.
+The kernel is this interpreter (``sys.executable``), whatever Jupyter
+kernels the machine has: the test writes its own ``python3`` kernelspec into
+a temporary ``JUPYTER_PATH`` entry, which Jupyter searches first. It needs
+only ``ipykernel`` installed in this environment, which
+``requirements/test.txt`` pins. The checkout is put on the kernel's
+``PYTHONPATH``, so the notebooks use this checkout's package even where it
+is not installed.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip('nbformat')
+nbclient = pytest.importorskip('nbclient')
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
+KERNEL_NAME = 'python3'
+CELL_TIMEOUT = 240  # seconds; the whole notebook takes well under a minute
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    """A ``python3`` kernelspec that runs this interpreter, and its env."""
+    spec_dir = tmp_path / 'jupyter' / 'kernels' / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    (spec_dir / 'kernel.json').write_text(json.dumps({
+        'argv': [sys.executable, '-m', 'ipykernel_launcher',
+                 '-f', '{connection_file}'],
+        'display_name': 'Python 3 (test)',
+        'language': 'python',
+    }))
+    monkeypatch.setenv('JUPYTER_PATH', os.pathsep.join(
+        filter(None, [str(tmp_path / 'jupyter'),
+                      os.environ.get('JUPYTER_PATH')])))
+    monkeypatch.setenv('PYTHONPATH', os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
+    # The notebooks' models are tiny: one thread per kernel is fastest and
+    # avoids spinning OpenMP threads on a busy CI machine.
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')
+    # inline figures, as in Jupyter, whatever MPLBACKEND the runner has
+    monkeypatch.delenv('MPLBACKEND', raising=False)
+    return tmp_path
+
+
+def read(path):
+    return nbformat.read(str(path), as_version=4)
+
+
+def test_there_are_notebooks():
+    assert [path.name for path in NOTEBOOKS] == ['Gradient_Accumulation.ipynb']
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda path: path.name)
+class TestNotebook:
+    def test_starts_with_a_title_cell(self, path):
+        first = read(path).cells[0]
+        assert first.cell_type == 'markdown'
+        assert first.source.startswith('# ')
+
+    def test_committed_with_outputs_run_top_to_bottom(self, path):
+        code_cells = [cell for cell in read(path).cells
+                      if cell.cell_type == 'code']
+        counts = [cell.execution_count for cell in code_cells]
+        assert counts == list(range(1, len(code_cells) + 1)), (
+            'execute the notebook top to bottom and commit it with outputs')
+        for cell in code_cells:
+            assert not any(output.output_type == 'error'
+                           for output in cell.outputs)
+
+    def test_runs_top_to_bottom(self, path, kernel_env):
+        notebook = read(path)
+        client = nbclient.NotebookClient(
+            notebook, kernel_name=KERNEL_NAME, timeout=CELL_TIMEOUT,
+            startup_timeout=120,
+            resources={'metadata': {'path': str(kernel_env)}})
+        # raises CellExecutionError, with the cell and traceback, on error
+        client.execute()
+
+        outputs = [output for cell in notebook.cells
+                   if cell.cell_type == 'code' for output in cell.outputs]
+        images = [output for output in outputs
+                  if 'image/png' in output.get('data', {})]
+        tables = [output for output in outputs
+                  if 'text/html' in output.get('data', {})]
+        assert len(images) >= 2  # loss curves, memory against acc_steps
+        assert tables  # the DataFrames, cv_results_ among them
