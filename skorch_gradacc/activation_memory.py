@@ -64,9 +64,11 @@ class _Saved:
 def track_activation_memory():
     """Count the bytes of tensors saved for backward inside the block.
 
-    Tensors that several graph nodes save are counted once per node, which
-    overstates the total by a constant factor that is the same for every
-    batch size; compare measurements with each other, not with the device.
+    Tensors that several graph nodes save are counted once per node, and
+    weights that autograd keeps for backward are counted although they take
+    no extra memory. The count therefore overstates activation memory by a
+    fixed amount for a given model, whatever the batch size; compare
+    measurements with each other, not with the device.
 
     Examples
     --------

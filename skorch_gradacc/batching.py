@@ -1,26 +1,43 @@
 """Split a batch into micro-batches and join their outputs again.
 
-These helpers know the shapes of data that skorch's iterators yield: a pair
-``(X, y)`` whose members are tensors, numpy arrays, pandas objects, or dicts
-and lists/tuples of those. Splitting is done with
+These helpers know the shapes of data that skorch's iterators yield: usually
+a pair ``(X, y)`` whose members are tensors, numpy arrays, pandas objects, or
+dicts and lists/tuples of those. Splitting is done with
 :func:`skorch.utils.multi_indexing`, so tensors are split into views and no
 data is copied.
 """
 
 import torch
-from skorch.dataset import get_len, unpack_data
+from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
-__all__ = ['concat_outputs', 'detach_outputs', 'split_batch']
+__all__ = ['batch_len', 'concat_outputs', 'detach_outputs', 'split_batch']
+
+
+def batch_len(batch):
+    """Return the number of rows in a batch, the way skorch counts them.
+
+    Examples
+    --------
+    >>> import torch
+    >>> batch_len((torch.zeros(5, 2), torch.zeros(5)))
+    5
+
+    """
+    if isinstance(batch, (tuple, list)):
+        return get_len(batch[0])
+    return get_len(batch)
 
 
 def split_batch(batch, micro_batch_size):
-    """Split a batch ``(X, y)`` into consecutive micro-batches.
+    """Split a batch into consecutive micro-batches.
 
     Parameters
     ----------
-    batch : tuple or list
-      A batch as yielded by the net's iterator, i.e. ``(X, y)``.
+    batch : tuple, list, or data
+      A batch as yielded by the net's iterator, usually ``(X, y)``. Each
+      member of a tuple or list (e.g. also ``(X, y, sample_weight)``) is
+      split along its first axis; ``None`` members stay ``None``.
 
     micro_batch_size : int
       The largest number of rows in one micro-batch.
@@ -28,8 +45,8 @@ def split_batch(batch, micro_batch_size):
     Returns
     -------
     micro_batches : list
-      The micro-batches, each of the same type as ``batch``. Every row of
-      ``batch`` is in exactly one of them, in the original order; all but
+      The micro-batches, each of the same structure as ``batch``. Every row
+      of ``batch`` is in exactly one of them, in the original order; all but
       the last hold ``micro_batch_size`` rows.
 
     Examples
@@ -40,14 +57,15 @@ def split_batch(batch, micro_batch_size):
     [2, 2, 1]
 
     """
-    Xi, yi = unpack_data(batch)
-    n_rows = get_len(Xi)
     micro_batches = []
-    for start in range(0, n_rows, micro_batch_size):
+    for start in range(0, batch_len(batch), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        Xm = multi_indexing(Xi, rows)
-        ym = None if yi is None else multi_indexing(yi, rows)
-        micro_batches.append((Xm, ym) if isinstance(batch, tuple) else [Xm, ym])
+        if isinstance(batch, (tuple, list)):
+            micro_batches.append(type(batch)(
+                None if data is None else multi_indexing(data, rows)
+                for data in batch))
+        else:
+            micro_batches.append(multi_indexing(batch, rows))
     return micro_batches
 
 

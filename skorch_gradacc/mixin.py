@@ -17,10 +17,15 @@ import sys
 
 import torch
 from skorch.callbacks import ProgressBar
-from skorch.dataset import get_len, unpack_data
+from skorch.dataset import unpack_data
 from skorch.utils import TeeGenerator
 
-from skorch_gradacc.batching import concat_outputs, detach_outputs, split_batch
+from skorch_gradacc.batching import (
+    batch_len,
+    concat_outputs,
+    detach_outputs,
+    split_batch,
+)
 from skorch_gradacc.callbacks import GradAccProgressBar
 
 __all__ = ['GradAccMixin']
@@ -177,22 +182,6 @@ class GradAccMixin:
         ]
         return self
 
-    def fit_loop(self, X, y=None, epochs=None, **fit_params):
-        """Skorch's fit loop; an interrupted group leaves no gradient behind.
-
-        If an exception or ``KeyboardInterrupt`` stops training in the middle
-        of a group, the parameters and optimizer state are those of the last
-        completed step, and the partial gradient of the broken group is
-        discarded before the exception propagates.
-
-        """
-        try:
-            return super().fit_loop(X, y, epochs=epochs, **fit_params)
-        except BaseException:
-            if self.initialized_:
-                self._zero_grad_optimizer()
-            raise
-
     def get_micro_batch_size(self):
         """Return the number of rows in one training micro-batch.
 
@@ -259,8 +248,7 @@ class GradAccMixin:
         """
         if getattr(self.criterion_, 'reduction', None) == 'sum':
             return None
-        Xi, _ = unpack_data(batch)
-        return get_len(Xi)
+        return batch_len(batch)
 
     def _scale_gradients(self, factor):
         """Multiply the gradients of all learnable parameters in place."""
@@ -292,12 +280,13 @@ class GradAccMixin:
         -------
         step : dict
           ``{'loss': loss, 'y_pred': y_pred}``: the mean loss over the batch
-          and the module's outputs for all of its rows, both detached.
+          and the module's outputs for all of its rows, both detached. A
+          batch that fits in one micro-batch goes to ``train_step_single``
+          as a whole, and its result is returned unchanged, as in skorch.
 
         """
         micro_batch_size = self.get_micro_batch_size()
-        Xi, _ = unpack_data(batch)
-        if micro_batch_size == -1 or get_len(Xi) <= micro_batch_size:
+        if micro_batch_size == -1 or batch_len(batch) <= micro_batch_size:
             return self.train_step_single(batch, **fit_params)
 
         micro_batches = split_batch(batch, micro_batch_size)
@@ -356,6 +345,11 @@ class GradAccMixin:
         the group. Closure optimizers such as LBFGS re-evaluate the whole
         group whenever they call the closure.
 
+        If an exception or ``KeyboardInterrupt`` stops the group midway, the
+        optimizers have not stepped, so parameters and optimizer state are
+        those of the last completed step, and the partial gradient is
+        discarded before the exception propagates.
+
         Returns
         -------
         step : dict
@@ -378,7 +372,13 @@ class GradAccMixin:
             )
             return step['loss']
 
-        self._step_optimizer(step_fn)
+        try:
+            self._step_optimizer(step_fn)
+        except BaseException:
+            # An error or Ctrl-C in the middle of the group: the optimizers
+            # have not stepped, and the partial gradient must not survive.
+            self._zero_grad_optimizer()
+            raise
         return step_accumulator.get_step()
 
 

@@ -33,13 +33,22 @@ def test_verdict_reports_a_mismatch():
 @pytest.mark.parametrize('option', [
     ['--acc-steps', '0'], ['--batch-size', 'x'], ['--epochs', '-2'],
     ['--unknown']])
-def test_bad_options_give_a_message_not_a_traceback(option):
+def test_bad_options_give_a_message_not_a_traceback(option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        demo.main(option)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith('usage: python -m skorch_gradacc.demo')
+    assert 'error: ' in err
+
+
+def test_help_from_the_command_line():
     proc = subprocess.run(
-        [sys.executable, '-m', 'skorch_gradacc.demo', *option],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert 'usage:' in proc.stderr
-    assert 'Traceback' not in proc.stderr
+        [sys.executable, '-m', 'skorch_gradacc.demo', '--help'],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0
+    for option in ['--acc-steps', '--batch-size', '--epochs', '--plot']:
+        assert option in proc.stdout
 
 
 def test_unwritable_plot_path(capsys, tmp_path):

@@ -130,3 +130,52 @@ def test_iterable_dataset_of_unknown_length(clf_data):
 def test_numpy_float_targets_for_regression(reg_data):
     X, y = reg_data
     check(*fit_pair(4, X, y.astype(np.float64), kind='regressor'))
+
+
+class WeightedDataset(torch.utils.data.Dataset):
+    """Yields (X, y, sample_weight): three values per sample."""
+
+    def __init__(self, X, y, weight):
+        self.X, self.y, self.weight = X, y, weight
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return self.X[i], self.y[i], self.weight[i]
+
+
+class WeightedLossMixin:
+    """A user's train_step_single for batches of three values."""
+
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        Xi, yi, wi = batch
+        y_pred = self.infer(Xi)
+        losses = torch.nn.functional.nll_loss(
+            torch.log(y_pred), yi, reduction='none')
+        loss = (losses * wi).mean()
+        loss.backward()
+        return {'loss': loss, 'y_pred': y_pred}
+
+
+def test_batches_of_three_values(clf_data):
+    from skorch import NeuralNetClassifier
+
+    from skorch_gradacc import GradAccNeuralNetClassifier
+
+    class WeightedGradAccNet(WeightedLossMixin, GradAccNeuralNetClassifier):
+        pass
+
+    class WeightedNet(WeightedLossMixin, NeuralNetClassifier):
+        pass
+
+    X, y = clf_data
+    weight = np.linspace(0.5, 1.5, len(y))
+    acc_net, plain_net = make_nets(4, train_split=None)
+    acc_net = WeightedGradAccNet(**acc_net.get_params())
+    plain_net = WeightedNet(**plain_net.get_params())
+    for net in (acc_net, plain_net):
+        torch.manual_seed(0)
+        net.fit(WeightedDataset(X, y, weight), None)
+    check(acc_net, plain_net)
