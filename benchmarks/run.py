@@ -1,0 +1,303 @@
+"""Run the benchmarks and write JSON, Markdown and a PNG plot.
+
+Usage, from the repository root::
+
+    python -m benchmarks.run --out benchmarks/results
+
+``--quick`` runs everything at tiny sizes in well under a minute (a smoke
+test, not a measurement); ``--sections`` runs only some sections. The full
+run takes about ten minutes on two cores. It writes ``benchmarks.json`` (all
+numbers, every round), ``benchmarks.md`` (the tables) and
+``benchmarks.png`` (the plots) into ``--out``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import report, suite
+from benchmarks.memory import rss_context
+
+__all__ = ['FULL', 'QUICK', 'main']
+
+SECTIONS = ('overhead', 'memory', 'exactness', 'scaling', 'profile')
+
+#: Sizes of the full run. ``models`` are the timing workloads: ``n`` rows,
+#: micro-batch ``B``, ``k`` micro-batches per step.
+FULL = {
+    'models': {
+        'mlp': {'n': 2048, 'B': 32, 'k': 8},
+        'cnn': {'n': 512, 'B': 16, 'k': 8},
+        'transformer': {'n': 384, 'B': 16, 'k': 8},
+    },
+    'overhead': {'rounds': 25, 'warmup': 1},
+    'memory': {
+        'ks': [1, 2, 4, 8, 16, 32, 64],
+        'repeats': 3,
+        # sized so that activations, not parameters, dominate
+        'rss_models': {
+            'mlp': {'B': 256, 'ks': [8], 'module_kwargs': {'n_hidden': 512}},
+            'cnn': {'B': 16, 'ks': [4, 16, 64],
+                    'module_kwargs': {'in_channels': 3, 'image_size': 16}},
+            'transformer': {'B': 16, 'ks': [8],
+                            'module_kwargs': {'seq_len': 64}},
+        },
+        'rss_repeats': 3,
+        'rss_malloc': ['fixed', 'default'],
+    },
+    'exactness': {
+        'epochs': 3,
+        # sizes that leave a short last micro-batch and a partial last group
+        'models': {
+            'mlp': {'n': 1003, 'B': 16, 'k': 4},
+            'cnn': {'n': 1003, 'B': 16, 'k': 4},
+            'transformer': {'n': 251, 'B': 8, 'k': 4},
+        },
+    },
+    'scaling': {
+        'ks': [1, 2, 4, 8, 16, 32, 64],
+        'rounds': 5,
+        # 64 micro-batches per epoch: one group at k=64
+        'k_models': {
+            'mlp': {'n': 2048, 'B': 32},
+            'cnn': {'n': 1024, 'B': 16},
+            'transformer': {'n': 512, 'B': 8},
+        },
+        'data': {'model': 'mlp', 'B': 32, 'k': 8,
+                 'ns': [512, 1024, 2048, 4096, 8192]},
+    },
+    'profile': {'model': 'mlp', 'top': 15},
+}
+
+#: Tiny sizes for a smoke run: every code path, no meaningful numbers.
+QUICK = {
+    'models': {
+        'mlp': {'n': 64, 'B': 8, 'k': 4, 'module_kwargs': {'n_hidden': 32}},
+        'cnn': {'n': 32, 'B': 4, 'k': 4},
+        'transformer': {'n': 32, 'B': 4, 'k': 4,
+                        'module_kwargs': {'seq_len': 8, 'd_model': 16,
+                                          'n_layers': 1}},
+    },
+    'overhead': {'rounds': 2, 'warmup': 0},
+    'memory': {
+        'ks': [1, 2, 4],
+        'repeats': 1,
+        'rss_models': {
+            'mlp': {'B': 16, 'ks': [4], 'module_kwargs': {'n_hidden': 32}},
+        },
+        'rss_repeats': 1,
+        'rss_malloc': ['fixed'],
+    },
+    'exactness': {
+        'epochs': 2,
+        'models': {
+            'mlp': {'n': 43, 'B': 4, 'k': 4, 'module_kwargs': {'n_hidden': 32}},
+            'cnn': {'n': 43, 'B': 4, 'k': 4},
+            'transformer': {'n': 27, 'B': 2, 'k': 4,
+                            'module_kwargs': {'seq_len': 8, 'd_model': 16,
+                                              'n_layers': 1}},
+        },
+    },
+    'scaling': {
+        'ks': [1, 2, 4],
+        'rounds': 1,
+        'k_models': {
+            'mlp': {'n': 32, 'B': 8, 'module_kwargs': {'n_hidden': 32}},
+        },
+        'data': {'model': 'mlp', 'B': 8, 'k': 2, 'ns': [16, 32, 64],
+                 'module_kwargs': {'n_hidden': 32}},
+    },
+    'profile': {'model': 'mlp', 'top': 5},
+}
+
+
+def positive_int(text):
+    """Parse a positive integer for argparse."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            'expected a positive integer, got {!r}'.format(text))
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog='python -m benchmarks.run',
+        description=(
+            'Benchmark GradAccNeuralNetClassifier against plain skorch, '
+            "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
+            'overhead, memory, exactness and scaling.'))
+    parser.add_argument(
+        '--out', default='benchmarks/results', metavar='DIR',
+        help='folder for benchmarks.json, .md and .png '
+             '(default: benchmarks/results)')
+    parser.add_argument(
+        '--quick', action='store_true',
+        help='tiny sizes: a smoke run of the whole suite, no real numbers')
+    parser.add_argument(
+        '--sections', default=','.join(SECTIONS),
+        help='comma-separated subset of {} (default: all)'.format(
+            ','.join(SECTIONS)))
+    parser.add_argument(
+        '--rounds', type=positive_int, default=None,
+        help='timed rounds per comparison (default: 25 for the overhead, 5 '
+             'for scaling; quick: 2 and 1)')
+    parser.add_argument(
+        '--threads', type=positive_int, default=1,
+        help='torch intra-op threads (default: 1, the steadiest on a '
+             'shared machine)')
+    args = parser.parse_args(argv)
+    args.sections = [name.strip() for name in args.sections.split(',') if name]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        parser.error('unknown sections: {}'.format(', '.join(unknown)))
+    return args
+
+
+def _cpu_model():
+    try:
+        with open('/proc/cpuinfo') as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or 'unknown'
+
+
+def _git_commit():
+    try:
+        return subprocess.run(
+            ['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
+            text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _package_state():
+    """Where skorch_gradacc was imported from, and whether its files differ
+    from the commit (a benchmark of modified code says so)."""
+    import skorch_gradacc
+
+    folder = Path(skorch_gradacc.__file__).parent
+    try:
+        diff = subprocess.run(
+            ['git', 'status', '--porcelain', '--', '.'], capture_output=True,
+            text=True, check=True, cwd=folder).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        diff = None
+    return {'path': str(folder),
+            'modified': None if diff is None else bool(diff)}
+
+
+def _version(name):
+    try:
+        module = __import__(name)
+    except ImportError:
+        return None
+    return getattr(module, '__version__', None)
+
+
+def machine_info(args):
+    return {
+        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec='seconds'),
+        'command': 'python -m benchmarks.run ' + ' '.join(args.argv),
+        'git_commit': _git_commit(),
+        'cpu': _cpu_model(),
+        'cpu_count': os.cpu_count(),
+        'torch_threads': torch.get_num_threads(),
+        'platform': platform.platform(),
+        'python': platform.python_version(),
+        'versions': {name: _version(name) for name in (
+            'torch', 'skorch', 'accelerate', 'numpy', 'sklearn',
+            'skorch_gradacc')},
+        'skorch_gradacc': _package_state(),
+    }
+
+
+def run(args):
+    """Run the sections that ``args`` asks for; return the results."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, QUICK if args.quick else FULL)
+    finally:
+        torch.set_num_threads(threads)  # leave the process as it was
+
+
+def _run(args, config):
+    rounds = args.rounds or config['overhead']['rounds']
+    results = {'meta': machine_info(args), 'quick': args.quick,
+               'config': config, 'seconds': {}}
+    results['meta']['load_average_start'] = os.getloadavg()
+    if 'memory' in args.sections and any(
+            config['memory']['rss_models'].values()):
+        rss_context()  # its server imports torch in the background meanwhile
+    steps = {
+        'overhead': lambda: suite.overhead(
+            config['models'], rounds, warmup=config['overhead']['warmup']),
+        'memory': lambda: suite.memory(
+            config['models'], config['memory']['ks'],
+            config['memory']['repeats'], config['memory']['rss_models'],
+            config['memory']['rss_repeats'], config['memory']['rss_malloc'],
+            threads=args.threads),
+        'exactness': lambda: suite.exactness(
+            config['exactness']['models'], config['exactness']['epochs']),
+        'scaling': lambda: suite.scaling(
+            config['scaling']['k_models'], config['scaling']['ks'],
+            config['scaling']['data'],
+            args.rounds or config['scaling']['rounds']),
+        'profile': lambda: suite.profile(
+            config['profile']['model'],
+            config['models'][config['profile']['model']],
+            top=config['profile']['top']),
+    }
+    for name in SECTIONS:
+        if name not in args.sections:
+            continue
+        print('running {} ...'.format(name), file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        results[name] = steps[name]()
+        results['seconds'][name] = time.perf_counter() - start
+        print('  {} done in {:.0f} s'.format(name, results['seconds'][name]),
+              file=sys.stderr, flush=True)
+    results['meta']['load_average_end'] = os.getloadavg()
+    results['targets'] = report.evaluate_targets(results)
+    return results
+
+
+def main(argv=None):
+    """Run the benchmarks; write the results; return an exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    args.argv = argv
+    results = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        'json': out / 'benchmarks.json',
+        'md': out / 'benchmarks.md',
+        'png': out / 'benchmarks.png',
+    }
+    paths['json'].write_text(json.dumps(results, indent=1) + '\n')
+    paths['md'].write_text(report.markdown(results))
+    report.plot(results, paths['png'])
+    for path in paths.values():
+        print(path)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
