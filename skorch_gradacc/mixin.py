@@ -16,7 +16,7 @@ import numbers
 import sys
 
 import torch
-from skorch.callbacks import ProgressBar
+from skorch.callbacks import LRScheduler, ProgressBar
 from skorch.dataset import unpack_data
 from skorch.utils import TeeGenerator
 
@@ -82,6 +82,35 @@ class GradAccMixin:
       skorch. Larger values than the number of micro-batches in an epoch
       are allowed and give one step per epoch.
 
+    micro_batch_size : int, 'auto' or None (default=None)
+      Split each batch into micro-batches of at most this many rows instead
+      of ``batch_size`` rows. The effective batch stays ``batch_size *
+      acc_steps``: everything that sees batches (history, callbacks,
+      ``y_pred``) sees the full batch, and only micro-batches go through the
+      module, also for validation and prediction. With ``'auto'``, the net
+      starts with the whole batch and, on an out-of-memory error, frees what
+      the attempt held, halves the micro-batch and retries the same batch,
+      so the update equals the one without the error. The size that worked
+      is kept in ``micro_batch_size_``; each back-off is recorded in the
+      history as ``micro_batch_size``.
+
+    skip_nonfinite : bool (default=False)
+      If True, a step whose accumulated gradient holds inf or NaN is
+      skipped: parameters and optimizer state stay unchanged, the gradient
+      is zeroed, per-batch :class:`skorch.callbacks.LRScheduler` callbacks
+      do not advance, the batch's history row gets ``step_skipped=True``,
+      and the epoch's row counts ``skipped_steps``. Training goes on. If
+      False, the step is taken, as in plain skorch.
+
+    Attributes
+    ----------
+    micro_batch_size_ : int or None
+      With ``micro_batch_size='auto'``, the micro-batch size found to fit;
+      None while whole batches fit.
+
+    step_skipped_ : bool
+      Whether the last training step was skipped (``skip_nonfinite``).
+
     Examples
     --------
     >>> import numpy as np
@@ -100,15 +129,19 @@ class GradAccMixin:
 
     """
 
-    def __init__(self, *args, acc_steps=1, **kwargs):
+    def __init__(self, *args, acc_steps=1, micro_batch_size=None,
+                 skip_nonfinite=False, **kwargs):
         super().__init__(*args, **kwargs)
         self.acc_steps = acc_steps
+        self.micro_batch_size = micro_batch_size
+        self.skip_nonfinite = skip_nonfinite
 
     def __init_subclass__(cls, **kwargs):
         # scikit-learn's estimator checks read the parameters from the
         # signature of __init__. Give each subclass an __init__ whose
-        # signature is that of the net it extends plus acc_steps, instead of
-        # the mixin's (*args, acc_steps=1, **kwargs).
+        # signature is that of the net it extends plus the mixin's own
+        # parameters, instead of the mixin's (*args, acc_steps=1, ...,
+        # **kwargs).
         super().__init_subclass__(**kwargs)
         if '__init__' in vars(cls):
             return
@@ -122,16 +155,38 @@ class GradAccMixin:
 
     def _validate_params(self):
         super()._validate_params()
-        self._check_acc_steps()
+        self._check_grad_acc_params()
         self._check_accelerate()
 
     def check_training_readiness(self):
-        """Check that the net is ready to train, ``acc_steps`` included."""
+        """Check that the net is ready to train, its own parameters included."""
         super().check_training_readiness()
         # set_params() does not run _validate_params for ordinary attributes,
-        # so a bad acc_steps set after initialization is caught here, before
-        # any training happens.
-        self._check_acc_steps()
+        # so a bad value set after initialization is caught here, before any
+        # training happens.
+        self._check_grad_acc_params()
+
+    def _check_grad_acc_params(self):
+        if not _is_positive_int(self.acc_steps):
+            raise ValueError(
+                "acc_steps must be a positive integer, got {!r} instead."
+                .format(self.acc_steps))
+        micro_batch_size = self.micro_batch_size
+        if not (micro_batch_size is None or micro_batch_size == 'auto'
+                or _is_positive_int(micro_batch_size)):
+            raise ValueError(
+                "micro_batch_size must be None, 'auto' or a positive integer, "
+                "got {!r} instead.".format(micro_batch_size))
+        if not isinstance(self.skip_nonfinite, bool):
+            raise ValueError(
+                "skip_nonfinite must be True or False, got {!r} instead."
+                .format(self.skip_nonfinite))
+        if self.skip_nonfinite and any(
+                isinstance(getattr(self, name + '_', None), torch.optim.LBFGS)
+                for name in self._optimizers):
+            raise ValueError(
+                "skip_nonfinite=True cannot be used with LBFGS, which "
+                "evaluates the loss several times per step.")
 
     def _check_accelerate(self):
         """Refuse combinations with ``AccelerateMixin`` that would be wrong."""
@@ -154,18 +209,6 @@ class GradAccMixin:
                 "it with gradient_accumulation_steps=1 and set acc_steps={} on "
                 "the net instead.".format(steps, steps))
 
-    def _check_acc_steps(self):
-        acc_steps = self.acc_steps
-        if (
-                isinstance(acc_steps, bool)
-                or not isinstance(acc_steps, numbers.Integral)
-                or acc_steps < 1
-        ):
-            raise ValueError(
-                "acc_steps must be a positive integer, got {!r} instead."
-                .format(acc_steps)
-            )
-
     def initialize_callbacks(self):
         """Initialize the callbacks; progress bars count optimizer steps.
 
@@ -182,34 +225,55 @@ class GradAccMixin:
         ]
         return self
 
-    def get_micro_batch_size(self):
-        """Return the number of rows in one training micro-batch.
+    def initialize(self):
+        """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
+        self.micro_batch_size_ = None
+        return super().initialize()
 
-        This is ``iterator_train__batch_size`` if set, else ``batch_size``.
-        ``-1`` stands for the whole training set.
+    def get_train_batch_size(self):
+        """Return the training batch size that ``acc_steps`` multiplies.
+
+        That is ``iterator_train__batch_size`` if set, else ``batch_size``;
+        ``-1`` stands for the whole training set. The training iterator yields
+        ``acc_steps`` times as many rows per batch.
 
         """
         kwargs = self.get_params_for('iterator_train')
         return kwargs.get('batch_size', self.batch_size)
 
+    def get_micro_batch_size(self):
+        """Return the largest number of rows that go through the module at once.
+
+        That is ``micro_batch_size`` if it is an integer, the size found so far
+        if it is ``'auto'``, and else the training batch size
+        (:meth:`get_train_batch_size`). ``None`` or ``-1`` mean that the whole
+        batch goes through at once.
+
+        """
+        if self.micro_batch_size == 'auto':
+            return getattr(self, 'micro_batch_size_', None)
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return self.get_train_batch_size()
+
     def get_iterator(self, dataset, training=False):
         """Get an iterator over the batches of ``dataset``.
 
-        For training, each batch is a whole group: ``acc_steps`` micro-batches
-        of :meth:`get_micro_batch_size` samples. The sampler does not depend on
+        For training, each batch is a whole group: ``acc_steps`` times
+        :meth:`get_train_batch_size` samples. The sampler does not depend on
         the batch size, so the samples come in the same order as for the
-        micro-batch size, and the batches are those of a plain net with the
+        smaller batch size, and the batches are those of a plain net with the
         effective batch size. Validation and prediction iterators are
         skorch's.
 
         """
-        micro_batch_size = self.get_micro_batch_size()
-        if not training or self.acc_steps == 1 or micro_batch_size == -1:
+        batch_size = self.get_train_batch_size()
+        if not training or self.acc_steps == 1 or batch_size == -1:
             return super().get_iterator(dataset, training=training)
 
         kwargs = self.get_params_for('iterator_train')
         # int(): the DataLoader refuses numpy integers
-        kwargs['batch_size'] = int(micro_batch_size) * int(self.acc_steps)
+        kwargs['batch_size'] = int(batch_size) * int(self.acc_steps)
         return self.iterator_train(dataset, **kwargs)
 
     def count_loss_items(self, batch):
@@ -250,6 +314,24 @@ class GradAccMixin:
             return None
         return batch_len(batch)
 
+    def _count_items(self, micro_batches):
+        """Return the weights of the micro-batches and their normaliser.
+
+        For a mean loss, these are the item counts and their sum; for a
+        summed loss (``count_loss_items`` returns None), all weights are 1 and
+        nothing is divided.
+
+        """
+        counts = [self.count_loss_items(micro) for micro in micro_batches]
+        if all(count is None for count in counts):
+            return [1] * len(counts), 1
+        if any(count is None for count in counts):
+            raise ValueError(
+                "count_loss_items returned None for some micro-batches but not "
+                "for others: {}".format(counts))
+        counts = [float(count) for count in counts]
+        return counts, sum(counts)
+
     def _scale_gradients(self, factor):
         """Multiply the gradients of all learnable parameters in place."""
         grads = [param.grad for _, param in self.get_all_learnable_params()
@@ -285,22 +367,38 @@ class GradAccMixin:
           as a whole, and its result is returned unchanged, as in skorch.
 
         """
+        while True:
+            try:
+                return self._accumulate_gradients(batch, **fit_params)
+            except _OUT_OF_MEMORY_ERRORS:
+                if self.micro_batch_size != 'auto':
+                    raise
+            # outside the except block, so that the failed attempt's
+            # tensors, held by the traceback, are freed
+            self._back_off_micro_batch_size(batch)
+
+    def _back_off_micro_batch_size(self, batch):
+        """Halve the micro-batch after an out-of-memory error."""
+        self._zero_grad_optimizer()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        rows = batch_len(batch)
+        current = min(self.micro_batch_size_ or rows, rows)
+        if current <= 1:
+            raise RuntimeError(
+                "micro_batch_size='auto': a micro-batch of one row does not fit "
+                "in memory; use a smaller model or less data per row.")
+        self.micro_batch_size_ = (current + 1) // 2
+        # one entry per back-off, shown by PrintLog in the epoch's row
+        self.history.record('micro_batch_size', self.micro_batch_size_)
+
+    def _accumulate_gradients(self, batch, **fit_params):
         micro_batch_size = self.get_micro_batch_size()
-        if micro_batch_size == -1 or batch_len(batch) <= micro_batch_size:
+        if micro_batch_size in (None, -1) or batch_len(batch) <= micro_batch_size:
             return self.train_step_single(batch, **fit_params)
 
         micro_batches = split_batch(batch, micro_batch_size)
-        counts = [self.count_loss_items(micro) for micro in micro_batches]
-        if all(count is None for count in counts):
-            # the loss is a sum: the gradients add up without rescaling
-            counts, total = [1] * len(counts), 1
-        elif any(count is None for count in counts):
-            raise ValueError(
-                "count_loss_items returned None for some micro-batches but not "
-                "for others: {}".format(counts))
-        else:
-            counts = [float(count) for count in counts]
-            total = sum(counts)
+        counts, total = self._count_items(micro_batches)
 
         losses, y_preds = [], []
         # .grad holds the sum over finished micro-batches j of
@@ -328,6 +426,86 @@ class GradAccMixin:
             'loss': torch.stack(losses).sum() / total,
             'y_pred': concat_outputs(y_preds),
         }
+
+    def _eval_micro_batches(self, batch):
+        """Split ``batch`` for validation or prediction, or return None.
+
+        Only with ``micro_batch_size`` set do validation and prediction
+        batches go through the module in micro-batches; otherwise they are
+        ``batch_size`` rows already.
+
+        """
+        size = self.get_micro_batch_size()
+        if (self.micro_batch_size is None or size is None
+                or batch_len(batch) <= size):
+            return None
+        return split_batch(batch, size)
+
+    def validation_step(self, batch, **fit_params):
+        """Run skorch's validation step, one micro-batch at a time if needed.
+
+        With ``micro_batch_size`` set, the loss is the mean over the batch,
+        weighted by :meth:`count_loss_items` as in training, and ``y_pred``
+        holds the outputs for all rows.
+
+        """
+        micro_batches = self._eval_micro_batches(batch)
+        if micro_batches is None:
+            return super().validation_step(batch, **fit_params)
+        counts, total = self._count_items(micro_batches)
+        steps = [super(GradAccMixin, self).validation_step(micro, **fit_params)
+                 for micro in micro_batches]
+        weighted = [count * step['loss'] for count, step in zip(counts, steps)
+                    if count]
+        return {
+            'loss': torch.stack(weighted).sum() / total if weighted
+            else torch.tensor(float('nan')),
+            'y_pred': concat_outputs([step['y_pred'] for step in steps]),
+        }
+
+    def evaluation_step(self, batch, training=False):
+        """Run skorch's evaluation step, one micro-batch at a time if needed."""
+        micro_batches = self._eval_micro_batches(batch)
+        if micro_batches is None:
+            return super().evaluation_step(batch, training=training)
+        return concat_outputs([
+            super(GradAccMixin, self).evaluation_step(micro, training=training)
+            for micro in micro_batches])
+
+    def _gradients_are_finite(self):
+        grads = [param.grad for _, param in self.get_all_learnable_params()
+                 if param.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(grad).all() for grad in grads])
+                    .all())
+
+    def notify(self, method_name, **cb_kwargs):
+        """Call the callbacks; a skipped step does not advance LR schedulers.
+
+        When ``skip_nonfinite=True`` skipped the optimizer step of a batch,
+        ``on_batch_end`` is not passed to :class:`skorch.callbacks.LRScheduler`
+        callbacks that step every batch, so that they count applied updates.
+
+        """
+        if not (method_name == 'on_batch_end' and cb_kwargs.get('training')
+                and getattr(self, 'step_skipped_', False)):
+            return super().notify(method_name, **cb_kwargs)
+        # skorch's notify, except for the marked line
+        getattr(self, method_name)(self, **cb_kwargs)
+        for _, cb in self.callbacks_:
+            if isinstance(cb, LRScheduler) and cb.step_every == 'batch':  # <=
+                continue
+            getattr(cb, method_name)(self, **cb_kwargs)
+        return None
+
+    def on_epoch_end(self, net, **kwargs):
+        """Record the number of skipped steps when ``skip_nonfinite=True``."""
+        super().on_epoch_end(net, **kwargs)
+        if self.skip_nonfinite:
+            skipped = sum(row.get('step_skipped', False)
+                          for row in self.history[-1, 'batches'])
+            self.history.record('skipped_steps', skipped)
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
@@ -372,14 +550,33 @@ class GradAccMixin:
             )
             return step['loss']
 
+        self.step_skipped_ = False
         try:
-            self._step_optimizer(step_fn)
+            if self.skip_nonfinite:
+                step_fn()
+                self.step_skipped_ = not self._gradients_are_finite()
+                if self.step_skipped_:
+                    self._zero_grad_optimizer()
+                else:
+                    self._step_optimizer(None)
+                self.history.record_batch('step_skipped', self.step_skipped_)
+            else:
+                self._step_optimizer(step_fn)
         except BaseException:
             # An error or Ctrl-C in the middle of the group: the optimizers
             # have not stepped, and the partial gradient must not survive.
             self._zero_grad_optimizer()
             raise
         return step_accumulator.get_step()
+
+
+def _is_positive_int(value):
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and value >= 1)
+
+
+_OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
+    (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
 
 
 def _signature_with_acc_steps(cls):
@@ -394,8 +591,10 @@ def _signature_with_acc_steps(cls):
     signature = inspect.signature(extended.__init__)
     params = [param for param in signature.parameters.values()
               if param.kind != param.VAR_KEYWORD]
-    params.append(inspect.Parameter(
-        'acc_steps', inspect.Parameter.KEYWORD_ONLY, default=1))
+    params.extend(
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+        for name, default in [('acc_steps', 1), ('micro_batch_size', None),
+                              ('skip_nonfinite', False)])
     params.extend(param for param in signature.parameters.values()
                   if param.kind == param.VAR_KEYWORD)
     return signature.replace(parameters=params)

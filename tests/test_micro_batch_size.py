@@ -1,0 +1,149 @@
+"""``micro_batch_size``: the loader yields the full batch, the net splits it;
+``'auto'`` backs off on out-of-memory errors and keeps the effective batch."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from skorch.callbacks import ProgressBar
+
+from skorch_gradacc import GradAccNeuralNetClassifier
+
+from conftest import (
+    PARAM_ATOL,
+    MLPClassifier,
+    assert_same_history,
+    fit_seeded,
+    make_nets,
+    max_param_diff,
+)
+
+
+class CappedMLP(MLPClassifier):
+    """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
+    that cannot hold more; records the rows it saw."""
+
+    def __init__(self, max_rows=1000):
+        super().__init__()
+        self.max_rows = max_rows
+        self.rows_ = []
+
+    def forward(self, X):
+        self.rows_.append(len(X))
+        if len(X) > self.max_rows:
+            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return super().forward(X)
+
+
+def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,
+               **kwargs):
+    """A GradAcc net with micro_batch_size and the plain net with the same
+    effective batch."""
+    kwargs.setdefault('iterator_train__shuffle', True)
+    acc_net, plain_net = make_nets(acc_steps, batch_size=batch_size,
+                                   module=module, **kwargs)
+    acc_net.set_params(micro_batch_size=micro_batch_size)
+    return acc_net, plain_net
+
+
+class TestFixedMicroBatchSize:
+    @pytest.mark.parametrize('micro_batch_size', [1, 5, 8, 32, 100])
+    def test_equals_plain_net_with_the_full_batch(self, clf_data,
+                                                  micro_batch_size):
+        acc_net, plain_net = micro_nets(micro_batch_size,
+                                        optimizer__momentum=0.9)
+        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+        # also the validation rows: the batches are the plain net's
+        assert acc_net.history[:, 'valid_batch_count'] == plain_net.history[
+            :, 'valid_batch_count']
+        assert max(acc_net.module_.rows_) == min(micro_batch_size, 32)
+
+    def test_prediction_in_micro_batches(self, clf_data):
+        X, y = clf_data
+        acc_net, plain_net = micro_nets(8)
+        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        acc_net.module_.rows_.clear()
+        np.testing.assert_allclose(acc_net.predict_proba(X),
+                                   plain_net.predict_proba(X), rtol=1e-12)
+        assert max(acc_net.module_.rows_) == 8
+
+    def test_combined_with_acc_steps(self, clf_data):
+        # batch_size * acc_steps is the effective batch, micro_batch_size the
+        # rows per forward pass
+        acc_net, plain_net = micro_nets(4, batch_size=8, acc_steps=4)
+        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+        assert max(acc_net.module_.rows_) == 4  # validation too
+
+    def test_progress_bar_counts_batches(self, clf_data):
+        acc_net, plain_net = micro_nets(8, callbacks=[
+            ('progress', ProgressBar())])
+        totals = []
+        for net in (acc_net, plain_net):
+            fit_seeded(net, *clf_data)
+            totals.append(dict(net.callbacks_)['progress'].pbar_.total)
+        assert totals[0] == totals[1]
+
+    def test_dict_and_dataframe_inputs(self, clf_data):
+        from test_inputs import ColumnsMLP, TwoInputMLP
+
+        X, y = clf_data
+        for module, data in [
+                (TwoInputMLP, {'first': X, 'second': X[:, :2] ** 2}),
+                (ColumnsMLP, pd.DataFrame(X, columns=list('abcdefghij')))]:
+            acc_net, plain_net = micro_nets(5, module=module)
+            fit_seeded(acc_net, data, y), fit_seeded(plain_net, data, y)
+            assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
+
+class TestAutoMicroBatchSize:
+    def test_backs_off_and_keeps_the_effective_batch(self, clf_data):
+        acc_net, plain_net = micro_nets('auto', module__max_rows=10,
+                                        optimizer=torch.optim.Adam, lr=0.01)
+        plain_net.set_params(module__max_rows=1000)
+        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
+        # 32 rows fail, 16 fail, 8 fit; remembered for the rest of training
+        assert acc_net.micro_batch_size_ == 8
+        assert acc_net.module_.rows_[:3] == [32, 16, 8]
+        assert acc_net.history[:, 'micro_batch_size'] == [8]
+        assert 'micro_batch_size' not in acc_net.history[1]
+
+    def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
+        acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1)
+        fit_seeded(acc_net, *clf_data)
+        acc_net.partial_fit(*clf_data)
+        assert acc_net.micro_batch_size_ == 8
+        assert len(acc_net.history[:, 'micro_batch_size']) == 1
+        acc_net.set_params(module__max_rows=1000)
+        fit_seeded(acc_net, *clf_data)
+        assert acc_net.micro_batch_size_ is None  # whole batches fit now
+
+    def test_one_row_that_does_not_fit(self, clf_data):
+        acc_net, _ = micro_nets('auto', module__max_rows=0)
+        msg = ("micro_batch_size='auto': a micro-batch of one row does not "
+               "fit in memory; use a smaller model or less data per row.")
+        with pytest.raises(RuntimeError) as exc:
+            fit_seeded(acc_net, *clf_data)
+        assert str(exc.value) == msg
+
+    @pytest.mark.parametrize('micro_batch_size', [None, 16])
+    def test_without_auto_the_error_propagates(self, clf_data,
+                                               micro_batch_size):
+        acc_net, _ = micro_nets(micro_batch_size, module__max_rows=10)
+        with pytest.raises(torch.OutOfMemoryError):
+            fit_seeded(acc_net, *clf_data)
+
+
+@pytest.mark.parametrize('value', [0, -4, 2.0, 'big', True, [8]])
+def test_bad_values(clf_data, value):
+    net = GradAccNeuralNetClassifier(MLPClassifier, micro_batch_size=value)
+    with pytest.raises(ValueError) as exc:
+        net.fit(*clf_data)
+    assert str(exc.value) == (
+        "micro_batch_size must be None, 'auto' or a positive integer, got "
+        "{!r} instead.".format(value))
