@@ -268,13 +268,49 @@ class GradAccMixin:
 
         """
         batch_size = self.get_train_batch_size()
-        if not training or self.acc_steps == 1 or batch_size == -1:
+        acc_steps = self.get_acc_steps()
+        if not training or acc_steps == 1 or batch_size == -1:
             return super().get_iterator(dataset, training=training)
 
         kwargs = self.get_params_for('iterator_train')
         # int(): the DataLoader refuses numpy integers
-        kwargs['batch_size'] = int(batch_size) * int(self.acc_steps)
+        kwargs['batch_size'] = int(batch_size) * int(acc_steps)
         return self.iterator_train(dataset, **kwargs)
+
+    def get_acc_steps(self):
+        """Return the ``acc_steps`` in force for the current epoch.
+
+        That is ``acc_steps``, unless an
+        :class:`~skorch_gradacc.AccumulationScheduler` has set another value
+        for this epoch (in ``acc_steps_``).
+
+        """
+        scheduled = getattr(self, 'acc_steps_', None)
+        return self.acc_steps if scheduled is None else scheduled
+
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        """Forget a schedule's ``acc_steps`` from an earlier fit."""
+        super().on_train_begin(net, X=X, y=y, **kwargs)
+        self.acc_steps_ = None
+
+    def run_single_epoch(self, iterator, training, prefix, step_fn,
+                         **fit_params):
+        """Run skorch's epoch; rebuild the training iterator if needed.
+
+        skorch creates the training iterator once per fit. When an
+        :class:`~skorch_gradacc.AccumulationScheduler` changes ``acc_steps``
+        at the start of an epoch, the iterator is created again, so that
+        its batches are the new groups.
+
+        """
+        if training and iterator is not None:
+            expected = self.get_train_batch_size()
+            if expected != -1:
+                expected *= self.get_acc_steps()
+                if getattr(iterator, 'batch_size', expected) != expected:
+                    iterator = self.get_iterator(iterator.dataset, training=True)
+        return super().run_single_epoch(
+            iterator, training, prefix, step_fn, **fit_params)
 
     def count_loss_items(self, batch):
         """Return the number of items that a micro-batch's loss averages over.
