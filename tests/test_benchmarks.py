@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# the suite compares against AccelerateMixin and draws its plots
+pytest.importorskip('accelerate')
+pytest.importorskip('matplotlib')
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
