@@ -63,7 +63,8 @@ class GradAccMixin:
       normalised gradient, then all optimizers step once. The reported
       ``loss`` is the group's true mean loss, never a divided one.
 
-    Validation and prediction are untouched and run at ``batch_size``.
+    Validation and prediction run at ``batch_size``, untouched, unless
+    ``micro_batch_size`` is set: then they are split as well.
 
     .. note::
 
@@ -91,8 +92,21 @@ class GradAccMixin:
       starts with the whole batch and, on an out-of-memory error, frees what
       the attempt held, halves the micro-batch and retries the same batch,
       so the update equals the one without the error. The size that worked
-      is kept in ``micro_batch_size_``; each back-off is recorded in the
-      history as ``micro_batch_size``.
+      is kept in ``micro_batch_size_``. The sizes a batch backed off to are
+      listed in its history row as ``micro_batch_size_backoff``; every epoch's
+      row holds the ``micro_batch_size`` in use at its end (0 while whole
+      batches fit), so that :class:`~skorch.callbacks.PrintLog` shows it.
+
+    mixed_precision : None, 'bf16' or 'fp16' (default=None)
+      Run each micro-batch's forward pass and loss under
+      :class:`torch.autocast` with this dtype, as Accelerate's option of the
+      same name does. With ``'fp16'``, a :class:`torch.amp.GradScaler`
+      scales every micro-batch's loss for ``backward``, unscales the
+      gradients once per group before ``on_grad_computed`` (so clipping sees
+      true gradients), and steps and updates once per group; a step it skips
+      does not advance per-batch LR schedulers and is counted as with
+      ``skip_nonfinite``. The reported loss is never the scaled one.
+      Validation and prediction run in full precision.
 
     skip_nonfinite : bool (default=False)
       If True, a step whose accumulated gradient holds inf or NaN is
@@ -107,6 +121,9 @@ class GradAccMixin:
     micro_batch_size_ : int or None
       With ``micro_batch_size='auto'``, the micro-batch size found to fit;
       None while whole batches fit.
+
+    grad_scaler_ : torch.amp.GradScaler or None
+      The GradScaler of ``mixed_precision='fp16'``.
 
     step_skipped_ : bool
       Whether the last training step was skipped (``skip_nonfinite``).
@@ -130,11 +147,12 @@ class GradAccMixin:
     """
 
     def __init__(self, *args, acc_steps=1, micro_batch_size=None,
-                 skip_nonfinite=False, **kwargs):
+                 skip_nonfinite=False, mixed_precision=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.acc_steps = acc_steps
         self.micro_batch_size = micro_batch_size
         self.skip_nonfinite = skip_nonfinite
+        self.mixed_precision = mixed_precision
 
     def __init_subclass__(cls, **kwargs):
         # scikit-learn's estimator checks read the parameters from the
@@ -181,12 +199,21 @@ class GradAccMixin:
             raise ValueError(
                 "skip_nonfinite must be True or False, got {!r} instead."
                 .format(self.skip_nonfinite))
-        if self.skip_nonfinite and any(
-                isinstance(getattr(self, name + '_', None), torch.optim.LBFGS)
-                for name in self._optimizers):
+        if self.mixed_precision not in _AUTOCAST_DTYPES:
             raise ValueError(
-                "skip_nonfinite=True cannot be used with LBFGS, which "
-                "evaluates the loss several times per step.")
+                "mixed_precision must be None, 'bf16' or 'fp16', got {!r} "
+                "instead.".format(self.mixed_precision))
+        for name, value in [('skip_nonfinite', self.skip_nonfinite),
+                            ("mixed_precision='fp16'",
+                             self.mixed_precision == 'fp16')]:
+            if value and any(
+                    isinstance(getattr(self, opt + '_', None), torch.optim.LBFGS)
+                    for opt in self._optimizers):
+                raise ValueError(
+                    "{} cannot be used with LBFGS, which evaluates the loss "
+                    "several times per step.".format(
+                        'skip_nonfinite=True' if name == 'skip_nonfinite'
+                        else name))
 
     def _check_accelerate(self):
         """Refuse combinations with ``AccelerateMixin`` that would be wrong."""
@@ -228,6 +255,7 @@ class GradAccMixin:
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
         self.micro_batch_size_ = None
+        self.grad_scaler_ = None
         return super().initialize()
 
     def get_train_batch_size(self):
@@ -425,13 +453,15 @@ class GradAccMixin:
                 "micro_batch_size='auto': a micro-batch of one row does not fit "
                 "in memory; use a smaller model or less data per row.")
         self.micro_batch_size_ = (current + 1) // 2
-        # one entry per back-off, shown by PrintLog in the epoch's row
-        self.history.record('micro_batch_size', self.micro_batch_size_)
+        # each back-off once, in the row of the batch that backed off
+        row = self.history[-1]['batches'][-1]
+        row['micro_batch_size_backoff'] = row.get(
+            'micro_batch_size_backoff', []) + [self.micro_batch_size_]
 
     def _accumulate_gradients(self, batch, **fit_params):
         micro_batch_size = self.get_micro_batch_size()
         if micro_batch_size in (None, -1) or batch_len(batch) <= micro_batch_size:
-            return self.train_step_single(batch, **fit_params)
+            return self._train_step_single_checked(batch, **fit_params)
 
         micro_batches = split_batch(batch, micro_batch_size)
         counts, total = self._count_items(micro_batches)
@@ -448,7 +478,7 @@ class GradAccMixin:
             if unit is not None and count != unit:
                 self._scale_gradients(unit / count)
             unit = count
-            step = self.train_step_single(micro, **fit_params)
+            step = self._train_step_single_checked(micro, **fit_params)
             losses.append(count * step['loss'].detach())
             y_preds.append(detach_outputs(step['y_pred']))
             del step  # frees the micro-batch's graph before the next forward
@@ -508,6 +538,77 @@ class GradAccMixin:
             super(GradAccMixin, self).evaluation_step(micro, training=training)
             for micro in micro_batches])
 
+    def _device_type(self):
+        return torch.device(self.device).type if self.device else 'cpu'
+
+    def _get_grad_scaler(self):
+        """Return the GradScaler for ``mixed_precision='fp16'``, else None."""
+        if self.mixed_precision != 'fp16':
+            return None
+        if getattr(self, 'grad_scaler_', None) is None:
+            self.grad_scaler_ = torch.amp.GradScaler(self._device_type())
+        return self.grad_scaler_
+
+    def train_step_single(self, batch, **fit_params):
+        """Forward and backward on one micro-batch, in mixed precision if set.
+
+        Without ``mixed_precision`` this is skorch's ``train_step_single``.
+        With it, the forward pass and the loss run under
+        :class:`torch.autocast`, and with ``'fp16'`` the loss is scaled by the
+        GradScaler for ``backward`` only: the loss that is returned, and
+        recorded, is never the scaled one. An override of this method must
+        call ``super().train_step_single`` when ``mixed_precision='fp16'``.
+
+        """
+        if self.mixed_precision is None:
+            return super().train_step_single(batch, **fit_params)
+        self._set_training(True)
+        Xi, yi = unpack_data(batch)
+        with torch.autocast(self._device_type(),
+                            dtype=_AUTOCAST_DTYPES[self.mixed_precision]):
+            y_pred = self.infer(Xi, **fit_params)
+            loss = self.get_loss(y_pred, yi, X=Xi, training=True)
+        scaler = self._get_grad_scaler()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        self.scaled_backwards_ = getattr(self, 'scaled_backwards_', 0) + 1
+        return {'loss': loss, 'y_pred': y_pred}
+
+    def _unscale_gradients(self):
+        """Undo the GradScaler's scale, once per group, before callbacks."""
+        scaler = self._get_grad_scaler()
+        if scaler is None:
+            return
+        for name in self._optimizers:
+            scaler.unscale_(getattr(self, name + '_'))
+
+    def _step_or_skip(self):
+        """Step all optimizers unless the step must be skipped.
+
+        Used when ``skip_nonfinite`` or a GradScaler decides about the step.
+        Returns whether the step was skipped.
+
+        """
+        scaler = self._get_grad_scaler()
+        if self.skip_nonfinite and not self._gradients_are_finite():
+            if scaler is not None:
+                scaler.update()  # unscale_ saw the inf: lower the scale
+            return self._finish_step(skipped=True)
+        if scaler is None:
+            self._step_optimizer(None)
+            return self._finish_step(skipped=False)
+        scale = scaler.get_scale()
+        for name in self._optimizers:
+            scaler.step(getattr(self, name + '_'))
+        scaler.update()
+        # on inf/NaN the scaler skips the step and lowers the scale
+        return self._finish_step(skipped=scaler.get_scale() < scale)
+
+    def _finish_step(self, skipped):
+        if skipped:
+            self._zero_grad_optimizer()
+        self.history.record_batch('step_skipped', skipped)
+        return skipped
+
     def _gradients_are_finite(self):
         grads = [param.grad for _, param in self.get_all_learnable_params()
                  if param.grad is not None]
@@ -536,12 +637,29 @@ class GradAccMixin:
         return None
 
     def on_epoch_end(self, net, **kwargs):
-        """Record the number of skipped steps when ``skip_nonfinite=True``."""
+        """Record the epoch's micro-batch size and skipped steps, if used."""
         super().on_epoch_end(net, **kwargs)
-        if self.skip_nonfinite:
+        if self.micro_batch_size == 'auto':
+            # in every epoch's row, so that PrintLog's columns stay aligned;
+            # 0 while whole batches fit
+            self.history.record('micro_batch_size', self.micro_batch_size_ or 0)
+        if self.skip_nonfinite or self.mixed_precision == 'fp16':
             skipped = sum(row.get('step_skipped', False)
                           for row in self.history[-1, 'batches'])
             self.history.record('skipped_steps', skipped)
+
+    def _train_step_single_checked(self, batch, **fit_params):
+        """Run ``train_step_single``; with fp16, check that it scaled."""
+        if self.mixed_precision != 'fp16':
+            return self.train_step_single(batch, **fit_params)
+        before = getattr(self, 'scaled_backwards_', 0)
+        step = self.train_step_single(batch, **fit_params)
+        if getattr(self, 'scaled_backwards_', 0) != before + 1:
+            raise RuntimeError(
+                "mixed_precision='fp16' scales the loss in "
+                "GradAccMixin.train_step_single; an override of "
+                "train_step_single must call super().train_step_single.")
+        return step
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
@@ -570,12 +688,14 @@ class GradAccMixin:
           ``{'loss': loss, 'y_pred': y_pred}`` for the whole group.
 
         """
-        # This mirrors NeuralNet.train_step, except for the marked line.
+        # This mirrors NeuralNet.train_step, except for the marked lines and
+        # the decision whether to step (skip_nonfinite, GradScaler).
         step_accumulator = self.get_train_step_accumulator()
 
         def step_fn():
             self._zero_grad_optimizer()
             step = self.accumulate_gradients(batch, **fit_params)  # <= changed
+            self._unscale_gradients()  # <= added: callbacks see true gradients
             step_accumulator.store_step(step)
 
             self.notify(
@@ -588,14 +708,9 @@ class GradAccMixin:
 
         self.step_skipped_ = False
         try:
-            if self.skip_nonfinite:
+            if self.skip_nonfinite or self.mixed_precision == 'fp16':
                 step_fn()
-                self.step_skipped_ = not self._gradients_are_finite()
-                if self.step_skipped_:
-                    self._zero_grad_optimizer()
-                else:
-                    self._step_optimizer(None)
-                self.history.record_batch('step_skipped', self.step_skipped_)
+                self.step_skipped_ = self._step_or_skip()
             else:
                 self._step_optimizer(step_fn)
         except BaseException:
@@ -610,6 +725,8 @@ def _is_positive_int(value):
     return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
             and value >= 1)
 
+
+_AUTOCAST_DTYPES = {None: None, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 _OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
     (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
@@ -630,7 +747,8 @@ def _signature_with_acc_steps(cls):
     params.extend(
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
         for name, default in [('acc_steps', 1), ('micro_batch_size', None),
-                              ('skip_nonfinite', False)])
+                              ('skip_nonfinite', False),
+                              ('mixed_precision', None)])
     params.extend(param for param in signature.parameters.values()
                   if param.kind == param.VAR_KEYWORD)
     return signature.replace(parameters=params)

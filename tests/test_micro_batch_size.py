@@ -110,18 +110,24 @@ class TestAutoMicroBatchSize:
         # 32 rows fail, 16 fail, 8 fit; remembered for the rest of training
         assert acc_net.micro_batch_size_ == 8
         assert acc_net.module_.rows_[:3] == [32, 16, 8]
-        assert acc_net.history[:, 'micro_batch_size'] == [8]
-        assert 'micro_batch_size' not in acc_net.history[1]
+        assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
+        backoffs = acc_net.history[:, 'batches', :, 'micro_batch_size_backoff']
+        # in the first batch's row only (skorch leaves out epochs without it)
+        assert backoffs == [[[16, 8]]]
+        assert 'micro_batch_size_backoff' not in acc_net.history[0, 'batches', 1]
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1)
         fit_seeded(acc_net, *clf_data)
         acc_net.partial_fit(*clf_data)
         assert acc_net.micro_batch_size_ == 8
-        assert len(acc_net.history[:, 'micro_batch_size']) == 1
+        assert acc_net.history[:, 'micro_batch_size'] == [8, 8]
+        assert acc_net.history[:, 'batches', :, 'micro_batch_size_backoff'] == [
+            [[16, 8]]]
         acc_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data)
         assert acc_net.micro_batch_size_ is None  # whole batches fit now
+        assert acc_net.history[:, 'micro_batch_size'] == [0]
 
     def test_one_row_that_does_not_fit(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=0)

@@ -5,8 +5,9 @@ import pytest
 import torch
 from skorch.callbacks import LRScheduler, ProgressBar
 
-from conftest import PARAM_ATOL, MLPClassifier, make_nets
 from skorch_gradacc import AccumulationScheduler, GradAccNeuralNetClassifier
+
+from conftest import PARAM_ATOL, MLPClassifier, make_nets
 
 SCHEDULE = {1: 1, 2: 4, 4: 2}  # epochs 1, 2-3, 4-5
 
