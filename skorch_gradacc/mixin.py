@@ -199,21 +199,17 @@ class GradAccMixin:
             raise ValueError(
                 "skip_nonfinite must be True or False, got {!r} instead."
                 .format(self.skip_nonfinite))
-        if self.mixed_precision not in _AUTOCAST_DTYPES:
+        if self.mixed_precision not in (None, 'bf16', 'fp16'):
             raise ValueError(
                 "mixed_precision must be None, 'bf16' or 'fp16', got {!r} "
                 "instead.".format(self.mixed_precision))
-        for name, value in [('skip_nonfinite', self.skip_nonfinite),
-                            ("mixed_precision='fp16'",
-                             self.mixed_precision == 'fp16')]:
-            if value and any(
-                    isinstance(getattr(self, opt + '_', None), torch.optim.LBFGS)
-                    for opt in self._optimizers):
-                raise ValueError(
-                    "{} cannot be used with LBFGS, which evaluates the loss "
-                    "several times per step.".format(
-                        'skip_nonfinite=True' if name == 'skip_nonfinite'
-                        else name))
+        decides_step = self.skip_nonfinite or self.mixed_precision == 'fp16'
+        if decides_step and any(
+                isinstance(getattr(self, name + '_', None), torch.optim.LBFGS)
+                for name in self._optimizers):
+            raise ValueError(
+                "skip_nonfinite=True and mixed_precision='fp16' cannot be used "
+                "with LBFGS, which evaluates the loss several times per step.")
 
     def _check_accelerate(self):
         """Refuse combinations with ``AccelerateMixin`` that would be wrong."""
