@@ -331,7 +331,7 @@ class GradAccMixin:
             expected = self.get_train_batch_size()
             if expected != -1:
                 expected *= self.get_acc_steps()
-                if getattr(iterator, 'batch_size', expected) != expected:
+                if getattr(iterator, 'batch_size', None) not in (None, expected):
                     iterator = self.get_iterator(iterator.dataset, training=True)
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
