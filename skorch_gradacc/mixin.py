@@ -11,6 +11,7 @@ Where things happen, in one place each:
   :meth:`GradAccMixin.count_loss_items`.
 """
 
+import contextlib
 import inspect
 import numbers
 import sys
@@ -379,12 +380,12 @@ class GradAccMixin:
 
         For a mean loss, these are the item counts and their sum; for a
         summed loss (``count_loss_items`` returns None), all weights are 1 and
-        nothing is divided.
+        the normaliser is None: nothing is divided.
 
         """
         counts = [self.count_loss_items(micro) for micro in micro_batches]
         if all(count is None for count in counts):
-            return [1] * len(counts), 1
+            return [1] * len(counts), None
         if any(count is None for count in counts):
             raise ValueError(
                 "count_loss_items returned None for some micro-batches but not "
@@ -457,37 +458,74 @@ class GradAccMixin:
     def _accumulate_gradients(self, batch, **fit_params):
         micro_batch_size = self.get_micro_batch_size()
         if micro_batch_size in (None, -1) or batch_len(batch) <= micro_batch_size:
-            return self._train_step_single_checked(batch, **fit_params)
-
-        micro_batches = split_batch(batch, micro_batch_size)
-        counts, total = self._count_items(micro_batches)
+            if not self._is_distributed():
+                return self._train_step_single_checked(batch, **fit_params)
+            micro_batches = [batch]
+        else:
+            micro_batches = split_batch(batch, micro_batch_size)
+        counts, local_total = self._count_items(micro_batches)
+        if local_total is None:  # a summed loss: nothing to divide by
+            local_total = total = 1
+        else:  # a mean: divide by the items of the group on all processes
+            total = self._global_count(local_total)
+        nonempty = [i for i, count in enumerate(counts) if count]
+        last = nonempty[-1] if nonempty else None
+        if last is None and self._is_distributed():
+            raise RuntimeError(
+                "A group with no items to average over reached a distributed "
+                "step; every rank must contribute to every step.")
 
         losses, y_preds = [], []
         # .grad holds the sum over finished micro-batches j of
         # (counts[j] / unit) * gradient_j; unit changes only when the counts
         # do, so equal-sized micro-batches cost no rescaling until the end.
-        unit = None
-        for micro, count in zip(micro_batches, counts):
+        unit, normalised = None, False
+        for index, (micro, count) in enumerate(zip(micro_batches, counts)):
             if count == 0:  # nothing to average over: no gradient, no loss
                 y_preds.append(self._infer_without_grad(micro, **fit_params))
                 continue
             if unit is not None and count != unit:
                 self._scale_gradients(unit / count)
             unit = count
-            step = self._train_step_single_checked(micro, **fit_params)
+            if index == last:
+                # a distributed net normalises while it synchronises
+                normalised = self._normalise_when_syncing(unit / total)
+            with self._micro_batch_context(is_last=index == last):
+                step = self._train_step_single_checked(micro, **fit_params)
             losses.append(count * step['loss'].detach())
             y_preds.append(detach_outputs(step['y_pred']))
             del step  # frees the micro-batch's graph before the next forward
-        if unit is not None and unit != total:
+        if not normalised and unit is not None and unit != total:
             self._scale_gradients(unit / total)
 
         if not losses:  # no item in the whole batch: the mean is undefined
             return {'loss': torch.tensor(float('nan')),
                     'y_pred': concat_outputs(y_preds)}
         return {
-            'loss': torch.stack(losses).sum() / total,
+            'loss': torch.stack(losses).sum() / local_total,
             'y_pred': concat_outputs(y_preds),
         }
+
+    # Extension points for data-parallel training; see
+    # skorch_gradacc.distributed.DistributedGradAccMixin.
+
+    def _is_distributed(self):
+        return False
+
+    def _global_count(self, total):
+        """Return the group's item count over all processes."""
+        return total
+
+    def _micro_batch_context(self, is_last):
+        """Return the context for one micro-batch's forward and backward."""
+        return contextlib.nullcontext()
+
+    def _normalise_when_syncing(self, factor):
+        """Multiply the gradient by ``factor`` while it is synchronised.
+
+        Return whether that happens; if not, the net multiplies it itself.
+        """
+        return False
 
     def _eval_micro_batches(self, batch):
         """Split ``batch`` for validation or prediction, or return None.
@@ -515,6 +553,7 @@ class GradAccMixin:
         if micro_batches is None:
             return super().validation_step(batch, **fit_params)
         counts, total = self._count_items(micro_batches)
+        total = 1 if total is None else total
         steps = [super(GradAccMixin, self).validation_step(micro, **fit_params)
                  for micro in micro_batches]
         weighted = [count * step['loss'] for count, step in zip(counts, steps)
