@@ -7,40 +7,10 @@ all-reduce itself normalises by the group's item count over all ranks.
 """
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 __all__ = ['DistributedGradAccMixin']
-
-
-class _ScaledAllReduce:
-    """State of the communication hook.
-
-    Holds the factor for the next all-reduce, and counts the all-reduces
-    (one per bucket and step).
-    """
-
-    def __init__(self, process_group=None):
-        self.process_group = process_group
-        self.factor = 1.0
-        self.allreduces = 0
-
-
-def _scaled_allreduce_hook(state, bucket):
-    """Multiply this rank's bucket by its factor, then sum over ranks.
-
-    A rank holds ``sum_j (c_j / u) * grad_j`` for its micro-batches; with
-    ``factor = u / C`` (``C`` the group's item count over all ranks), the sum
-    over ranks is the gradient of the mean over the whole distributed group.
-    It replaces DDP's default hook, which averages over ranks.
-    """
-    tensor = bucket.buffer()
-    tensor.mul_(state.factor)
-    state.allreduces += 1
-    future = dist.all_reduce(
-        tensor, group=state.process_group, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0])
 
 
 class DistributedGradAccMixin:
@@ -73,16 +43,18 @@ class DistributedGradAccMixin:
     ``save_params`` on one rank, or ``net.module_.module`` for the
     unwrapped module.
 
+    The no_sync and normalisation logic lives in
+    :class:`~skorch_gradacc.GradAccMixin` and applies to any module wrapped
+    in DistributedDataParallel, also by skorch's ``AccelerateMixin``.
+
     Attributes
     ----------
     comm_state_
-      The communication hook's state; ``comm_state_.allreduces`` counts the
-      gradient all-reduces (one per bucket and step).
+      The communication hook's state (set at the first step);
+      ``comm_state_.allreduces`` counts the gradient all-reduces (one per
+      bucket and step).
 
     """
-
-    def _is_distributed(self):
-        return True
 
     def initialize_module(self):
         """Initialize the module and wrap it for data-parallel training."""
@@ -93,9 +65,6 @@ class DistributedGradAccMixin:
                           and device.type == 'cuda' else None)
             self.module_ = DistributedDataParallel(self.module_,
                                                    device_ids=device_ids)
-        self.comm_state_ = _ScaledAllReduce()
-        self.module_.register_comm_hook(self.comm_state_,
-                                        _scaled_allreduce_hook)
         return self
 
     def get_iterator(self, dataset, training=False):
@@ -120,17 +89,3 @@ class DistributedGradAccMixin:
             sampler.set_epoch(len(self.history))
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
-
-    def _global_count(self, total):
-        count = torch.tensor([float(total)], dtype=torch.float64)
-        dist.all_reduce(count)
-        return count.item()
-
-    def _micro_batch_context(self, is_last):
-        if is_last:
-            return super()._micro_batch_context(is_last)
-        return self.module_.no_sync()
-
-    def _normalise_when_syncing(self, factor):
-        self.comm_state_.factor = factor
-        return True

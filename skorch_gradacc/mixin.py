@@ -20,6 +20,7 @@ import torch
 from skorch.callbacks import LRScheduler, ProgressBar
 from skorch.dataset import unpack_data
 from skorch.utils import TeeGenerator
+from torch.nn.parallel import DistributedDataParallel
 
 from skorch_gradacc.batching import (
     batch_len,
@@ -28,6 +29,7 @@ from skorch_gradacc.batching import (
     split_batch,
 )
 from skorch_gradacc.callbacks import GradAccProgressBar
+from skorch_gradacc.communication import ScaledAllReduce, scaled_allreduce_hook
 
 __all__ = ['GradAccMixin']
 
@@ -463,6 +465,7 @@ class GradAccMixin:
             micro_batches = [batch]
         else:
             micro_batches = split_batch(batch, micro_batch_size)
+        self._ensure_comm_hook()
         counts, local_total = self._count_items(micro_batches)
         if local_total is None:  # a summed loss: nothing to divide by
             local_total = total = 1
@@ -506,26 +509,50 @@ class GradAccMixin:
             'y_pred': concat_outputs(y_preds),
         }
 
-    # Extension points for data-parallel training; see
-    # skorch_gradacc.distributed.DistributedGradAccMixin.
+    # Data-parallel training: when the module is wrapped in
+    # DistributedDataParallel (by DistributedGradAccMixin or by skorch's
+    # AccelerateMixin), non-step micro-batches run under no_sync, and a
+    # communication hook normalises by the group's items on all processes.
+
+    def _ddp_module(self):
+        module = getattr(self, 'module_', None)
+        return module if isinstance(module, DistributedDataParallel) else None
 
     def _is_distributed(self):
-        return False
+        return self._ddp_module() is not None
 
     def _global_count(self, total):
         """Return the group's item count over all processes."""
-        return total
+        if not self._is_distributed():
+            return total
+        count = torch.tensor([float(total)], dtype=torch.float64)
+        torch.distributed.all_reduce(count)
+        return count.item()
 
     def _micro_batch_context(self, is_last):
         """Return the context for one micro-batch's forward and backward."""
-        return contextlib.nullcontext()
+        ddp = self._ddp_module()
+        if ddp is None or is_last:
+            return contextlib.nullcontext()
+        return ddp.no_sync()
+
+    def _ensure_comm_hook(self):
+        """Register the normalising all-reduce hook on the DDP module, once."""
+        ddp = self._ddp_module()
+        state = getattr(self, 'comm_state_', None)
+        if ddp is not None and (state is None or state.module is not ddp):
+            self.comm_state_ = ScaledAllReduce(ddp)
+            ddp.register_comm_hook(self.comm_state_, scaled_allreduce_hook)
 
     def _normalise_when_syncing(self, factor):
         """Multiply the gradient by ``factor`` while it is synchronised.
 
         Return whether that happens; if not, the net multiplies it itself.
         """
-        return False
+        if not self._is_distributed():
+            return False
+        self.comm_state_.factor = factor
+        return True
 
     def _eval_micro_batches(self, batch):
         """Split ``batch`` for validation or prediction, or return None.

@@ -91,3 +91,19 @@ def test_a_failing_rank_does_not_hang(tmp_path):
     assert 'rank 1 fails on purpose' in proc.stdout + proc.stderr
     assert not (tmp_path / 'rank0.pt').exists()
     assert np.isfinite(TIME_LIMIT)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_accelerate_mixin_under_torchrun(tmp_path):
+    pytest.importorskip('accelerate')
+    ranks = run_ranks(tmp_path, 'accelerate')
+    # 192 samples: the prepared loader hands out groups of 24 rows to the
+    # ranks in turn, 4 per rank and epoch
+    for rank in ranks:
+        assert rank['steps'] == 2 * 4
+        assert rank['allreduces'] == rank['steps']
+    X, y = classification_data(192)
+    net = single_process(NeuralNetClassifier, X, y, module=MLPClassifier,
+                         lr=0.1)
+    assert_params_equal(ranks[0]['params'], net)
+    assert_params_equal(ranks[1]['params'], net)
