@@ -107,3 +107,21 @@ def test_accelerate_mixin_under_torchrun(tmp_path):
                          lr=0.1)
     assert_params_equal(ranks[0]['params'], net)
     assert_params_equal(ranks[1]['params'], net)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
+    # the docs' train.py is a literal block, run here as the page says
+    text = (Path(__file__).parent.parent / 'docs' / 'scaling_out.rst').read_text()
+    start = text.index('Save this as ``train.py``::') + len(
+        'Save this as ``train.py``::')
+    block = text[start:text.index('and run it on one machine')]
+    script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
+    (tmp_path / 'train.py').write_text(script + '\n')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nproc_per_node', str(WORLD_SIZE), 'train.py'],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIME_LIMIT,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / 'params.pt').exists()
