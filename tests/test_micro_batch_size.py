@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from skorch import NeuralNetClassifier
 from skorch.callbacks import ProgressBar
 
 from skorch_gradacc import GradAccNeuralNetClassifier
@@ -153,3 +154,40 @@ def test_bad_values(clf_data, value):
     assert str(exc.value) == (
         "micro_batch_size must be None, 'auto' or a positive integer, got "
         "{!r} instead.".format(value))
+
+
+class WideMLP(torch.nn.Module):
+    """Activations of 64 MiB per 1000 rows (float32), for the CUDA test."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(10, 16384)
+        self.output = torch.nn.Linear(16384, 3)
+
+    def forward(self, X):
+        return torch.softmax(self.output(torch.relu(self.hidden(X.float()))),
+                             dim=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_auto_backs_off_on_real_cuda_memory(clf_data):
+    X, y = clf_data
+    X = np.repeat(X, 20, axis=0)[:4000]
+    y = np.repeat(y, 20)[:4000]
+    kwargs = dict(batch_size=4000, max_epochs=1, train_split=None, verbose=0,
+                  device='cuda', lr=0.1)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(2 ** 30 / total)  # 1 GiB
+    try:
+        torch.manual_seed(0)
+        net = GradAccNeuralNetClassifier(WideMLP, micro_batch_size='auto',
+                                         **kwargs).fit(X, y)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert net.micro_batch_size_ is not None and net.micro_batch_size_ < 4000
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(WideMLP, **kwargs).fit(X, y)
+    for p, q in zip(net.module_.parameters(), plain.module_.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
