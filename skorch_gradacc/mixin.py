@@ -8,7 +8,16 @@ Where things happen, in one place each:
 * forward and backward on each micro-batch, and the normalisation of the
   summed gradient: :meth:`GradAccMixin.accumulate_gradients`;
 * what a micro-batch's loss is averaged over:
-  :meth:`GradAccMixin.count_loss_items`.
+  :meth:`GradAccMixin.count_loss_items`;
+* the rows per forward pass (``micro_batch_size``, the 'auto' back-off):
+  :meth:`GradAccMixin.get_micro_batch_size` and
+  :meth:`GradAccMixin.accumulate_gradients`;
+* autocast and the GradScaler's loss scaling:
+  :meth:`GradAccMixin.train_step_single`; whether a step is skipped
+  (``skip_nonfinite``, GradScaler): ``GradAccMixin._step_or_skip``;
+* ``no_sync`` and the normalising all-reduce of a module wrapped in
+  DistributedDataParallel: the methods after ``_ddp_module``, with the
+  hook in :mod:`skorch_gradacc.communication`.
 """
 
 import contextlib
