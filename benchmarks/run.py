@@ -25,6 +25,7 @@ import torch
 
 from benchmarks import report, suite
 from benchmarks.memory import rss_context
+from skorch_gradacc.demo import positive_int
 
 __all__ = ['FULL', 'QUICK', 'main']
 
@@ -117,18 +118,6 @@ QUICK = {
     },
     'profile': {'model': 'mlp', 'top': 5},
 }
-
-
-def positive_int(text):
-    """Parse a positive integer for argparse."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            'expected a positive integer, got {!r}'.format(text))
-    return value
 
 
 def parse_args(argv=None):

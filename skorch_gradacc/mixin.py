@@ -734,7 +734,8 @@ class GradAccMixin:
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
-        Xi, _ = unpack_data(batch)
+        # X is the first member, also of batches with more than (X, y)
+        Xi = batch[0] if isinstance(batch, (tuple, list)) else batch
         with torch.no_grad():
             return self.infer(Xi, **fit_params)
 
