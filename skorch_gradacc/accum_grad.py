@@ -272,7 +272,7 @@ class AccumGrad(torch.optim.Optimizer):
         self._total += self._pending_count if counted else 1.0
         self._pending_count = None
         self._position += 1
-        if self._position == self.acc_steps:
+        if self._position >= self.acc_steps:  # acc_steps may have shrunk
             self._update()
         else:
             self.stepped = False

@@ -219,6 +219,20 @@ class TestGroups:
         assert opt.state_dict()['optimizer']['state'][0]['step'] == \
             state['optimizer']['state'][0]['step']
 
+    def test_acc_steps_can_change_between_groups(self):
+        X, y = make_data(36)
+        large, _ = large_batch(X, y, [12, 8, 8, 8], OPTIMIZERS['adam'])
+        model = make_model()
+        opt = AccumGrad(OPTIMIZERS['adam'](model.parameters()), 3)
+        for Xb, yb in zip(X.split(4), y.split(4)):
+            opt.zero_grad()
+            loss_fn(model, Xb, yb).backward()
+            opt.step()
+            if opt.stepped:
+                opt.acc_steps = 2
+        assert opt.position == 0
+        assert max_diff(model, large) <= PARAM_ATOL
+
     def test_acc_steps_one_is_the_wrapped_optimizer(self):
         X, y = make_data(24)
         large, _ = large_batch(X, y, 4, OPTIMIZERS['adamw'])
