@@ -309,7 +309,8 @@ def lr_lambda(update):
 
 
 class TestSchedulers:
-    def test_guarded_scheduler_follows_the_large_batch_schedule(self):
+    @pytest.mark.parametrize('built_on', ['wrapper', 'wrapped optimizer'])
+    def test_guarded_scheduler_follows_the_large_batch_schedule(self, built_on):
         # 5 micro-batches per epoch, acc_steps=2: updates of 2, 2, 1 rows
         X, y = make_data(20)
         large = make_model()
@@ -326,7 +327,8 @@ class TestSchedulers:
 
         model = make_model()
         opt = AccumGrad(OPTIMIZERS['sgd_momentum'](model.parameters()), 2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt if built_on == 'wrapper' else opt.optimizer, lr_lambda)
         lrs = []
         with warnings.catch_warnings():
             warnings.simplefilter('error')
