@@ -321,7 +321,7 @@ def padding_waste(loader):
 MEMORY_KINDS = ('plain', 'large', 'gradacc')
 
 
-def measure_peak_memory(runs, n_sentences=256, max_clauses=24, hidden_size=64,
+def measure_peak_memory(runs, n_sentences=64, max_clauses=16, hidden_size=64,
                         timeout=600):
     """Return the peak memory that ``fit`` takes for each run, in MiB.
 
@@ -330,7 +330,8 @@ def measure_peak_memory(runs, n_sentences=256, max_clauses=24, hidden_size=64,
     plain skorch at the effective batch (the union of ``acc_steps``
     consecutive micro-batches), and ``'gradacc'`` the :class:`GradAccTagger`
     with ``batch_size`` and ``acc_steps``. All train one epoch on the same
-    ``n_sentences`` sentences of up to ``max_clauses`` clauses, in float32.
+    ``n_sentences`` sentences of up to ``max_clauses`` clauses, with a
+    :class:`BertTagger` of ``hidden_size``, in float32.
 
     This file is run as a script in a fresh process, with glibc told to
     return every freed block of 64 KiB or more at once

@@ -55,7 +55,8 @@ def read(path):
 
 
 def test_there_are_notebooks():
-    assert [path.name for path in NOTEBOOKS] == ['Gradient_Accumulation.ipynb']
+    assert [path.name for path in NOTEBOOKS] == [
+        'Fine_Tuning_Transformers.ipynb', 'Gradient_Accumulation.ipynb']
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda path: path.name)

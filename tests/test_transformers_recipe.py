@@ -19,6 +19,8 @@ from sklearn.base import clone
 pytest.importorskip('transformers')
 pytest.importorskip('tokenizers')
 
+from test_docs import extract_blocks  # noqa: E402
+
 DOCS = Path(__file__).resolve().parent.parent / 'docs'
 sys.path.insert(0, str(DOCS))
 import fine_tuning_transformers as recipe  # noqa: E402
@@ -26,6 +28,9 @@ import fine_tuning_transformers as recipe  # noqa: E402
 sys.path.remove(str(DOCS))
 
 ATOL = 1e-8
+BEGIN = '# --- begin: the code of docs/fine_tuning_transformers.rst ---'
+END = '# --- end: the code of docs/fine_tuning_transformers.rst ---'
+FIRST_USAGE_SECTION = 'Fine-tune in a pipeline, and search ``acc_steps``'
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +43,17 @@ def one_thread():
 
 def code_lines(text):
     return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def test_page_shows_the_module_verbatim():
+    blocks = extract_blocks(DOCS / 'fine_tuning_transformers.rst')
+    sections = [block.section for block in blocks]
+    first_usage = sections.index(FIRST_USAGE_SECTION)
+    page = '\n'.join(block.source for block in blocks[:first_usage])
+    module = (DOCS / 'fine_tuning_transformers.py').read_text(encoding='utf-8')
+    region = module.split(BEGIN + '\n')[1].split(END)[0]
+    assert code_lines(page) == code_lines(region)
+    assert len(code_lines(region)) > 200
 
 
 @pytest.fixture(scope='module')
@@ -166,6 +182,127 @@ def test_predict_returns_the_tags_of_each_word(data):
     assert all(set(p) <= set(range(len(recipe.TAGS))) for p in predicted)
 
 
+# Exactness: the large-batch run is plain skorch on the unions of acc_steps
+# consecutive micro-batches.
+
+
+class RecordingTagger(recipe.BertTagger):
+    """Records the rows and the padding of every training micro-batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen_ = []
+
+    def forward(self, input_ids, attention_mask):
+        if self.training:
+            # padded to its own longest sentence: no column of padding only
+            self.seen_.append((len(input_ids),
+                               bool(attention_mask[:, -1].any())))
+        return super().forward(input_ids, attention_mask)
+
+
+def exact_params(**params):
+    return recipe.tagger_params(**{
+        'module': RecordingTagger, 'module__dropout': 0.0,
+        'module__dtype': torch.float64, 'lr': 3e-3, 'max_epochs': 2,
+        'batch_size': 8, 'iterator_train__seed': 0, **params})
+
+
+def fit_seeded(net, X, y):
+    torch.manual_seed(0)
+    return net.fit(X, y)
+
+
+def max_param_diff(net, other):
+    params = dict(other.module_.named_parameters())
+    return max((param - params[name]).abs().max().item()
+               for name, param in net.module_.named_parameters())
+
+
+def assert_large_batch_run(accumulated, large_batch, n_micro_batches,
+                           acc_steps):
+    assert max_param_diff(accumulated, large_batch) <= ATOL
+    np.testing.assert_allclose(accumulated.history[:, 'train_loss'],
+                               large_batch.history[:, 'train_loss'],
+                               rtol=0, atol=ATOL)
+    steps = -(-n_micro_batches // acc_steps)
+    assert accumulated.history[:, 'train_batch_count'] == [steps] * 2
+    assert large_batch.history[:, 'train_batch_count'] == [steps] * 2
+    # the module saw every micro-batch, each padded to its own length
+    seen = accumulated.module_.seen_
+    assert len(seen) == 2 * n_micro_batches
+    assert all(rows <= 8 and own_length for rows, own_length in seen)
+
+
+@pytest.mark.parametrize('acc_steps', [2, 3, 8])
+def test_pipeline_loader_is_the_large_batch_run(data, acc_steps):
+    X, tags = data
+    large_batch = fit_seeded(recipe.Tagger(
+        **exact_params(iterator_train__union=acc_steps)), X, tags)
+    accumulated = fit_seeded(recipe.GradAccTagger(
+        **exact_params(), acc_steps=acc_steps), X, tags)
+    assert_large_batch_run(accumulated, large_batch, 8, acc_steps)
+
+
+def test_batch_sampler_as_plain_skorch_takes_it_is_the_large_batch_run(data):
+    X, tags = data
+    lengths = [len(ids) for ids in X['input_ids']]
+
+    def loader_params(batch_sampler):
+        params = exact_params(
+            iterator_train=torch.utils.data.DataLoader,
+            iterator_train__batch_size=1,
+            iterator_train__batch_sampler=batch_sampler,
+            iterator_train__collate_fn=recipe.pad_batch)
+        del params['iterator_train__seed']  # bucketed_loader's, not DataLoader's
+        return params
+
+    large_batch = fit_seeded(recipe.Tagger(**loader_params(
+        recipe.UnionBatchSampler(recipe.BucketBatchSampler(lengths, 8, seed=0),
+                                 3))), X, tags)
+    accumulated = fit_seeded(recipe.GradAccTagger(
+        **loader_params(recipe.BucketBatchSampler(lengths, 8, seed=0)),
+        acc_steps=3), X, tags)
+    assert_large_batch_run(accumulated, large_batch, 8, 3)
+
+
+def test_without_token_counts_it_is_not_the_large_batch_run(data):
+    # the exactness tests above can fail: weighting the micro-batches by
+    # sentences instead of tokens gives another update
+    class SentenceWeightedTagger(recipe.GradAccTagger):
+        def count_loss_items(self, batch):
+            return len(batch[1])
+
+    X, tags = data
+    large_batch = fit_seeded(recipe.Tagger(
+        **exact_params(iterator_train__union=4)), X, tags)
+    weighted = fit_seeded(SentenceWeightedTagger(
+        **exact_params(), acc_steps=4), X, tags)
+    assert max_param_diff(weighted, large_batch) > 1e-6
+
+
+def test_with_accelerate_mixin_it_is_the_large_batch_run(data):
+    accelerate = pytest.importorskip('accelerate')
+    from skorch.hf import AccelerateMixin
+
+    class AcceleratedTagger(AccelerateMixin, recipe.GradAccTagger):
+        pass
+
+    X, tags = data
+    large_batch = fit_seeded(recipe.Tagger(
+        **exact_params(iterator_train__union=4)), X, tags)
+    try:
+        accelerated = fit_seeded(AcceleratedTagger(
+            **exact_params(), acc_steps=4,
+            accelerator=accelerate.Accelerator(cpu=True, mixed_precision='no'),
+            callbacks__print_log__sink=print), X, tags)
+    finally:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert_large_batch_run(accelerated, large_batch, 8, 4)
+
+
 # Memory, measured in a fresh process
 
 
@@ -173,6 +310,6 @@ def test_peak_memory_is_that_of_the_micro_batch():
     runs = [('plain', 8, 1), ('gradacc', 8, 8), ('large', 8, 8)]
     plain, gradacc, large = (
         result['peak_mib'] for result in recipe.measure_peak_memory(
-            runs, n_sentences=128, max_clauses=16))
+            runs, n_sentences=64, max_clauses=16))
     assert gradacc <= 1.25 * plain
     assert gradacc < 0.5 * large
