@@ -21,12 +21,13 @@ PARAM_ATOL = 1e-10
 
 
 class MLPClassifier(torch.nn.Module):
-    """A small MLP with softmax output (no BatchNorm, no dropout)."""
+    """A small MLP with softmax output (no BatchNorm, no dropout); float64
+    unless ``dtype`` says otherwise."""
 
-    def __init__(self, n_in=10, n_hidden=16, n_out=3):
+    def __init__(self, n_in=10, n_hidden=16, n_out=3, dtype=DTYPE):
         super().__init__()
-        self.hidden = torch.nn.Linear(n_in, n_hidden, dtype=DTYPE)
-        self.output = torch.nn.Linear(n_hidden, n_out, dtype=DTYPE)
+        self.hidden = torch.nn.Linear(n_in, n_hidden, dtype=dtype)
+        self.output = torch.nn.Linear(n_hidden, n_out, dtype=dtype)
 
     def forward(self, X):
         return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
@@ -112,6 +113,13 @@ def fit_seeded(net, X, y=None, seed=0, **fit_params):
 def fit_pair(acc_steps, X, y, batch_size=8, kind='classifier', **kwargs):
     acc_net, plain_net = make_nets(acc_steps, batch_size, kind=kind, **kwargs)
     return fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+
+
+def param_diff(net_a, net_b):
+    """The largest absolute difference between two nets' parameters now."""
+    params = dict(net_b.module_.named_parameters())
+    return max((param - params[name]).abs().max().item()
+               for name, param in net_a.module_.named_parameters())
 
 
 def max_param_diff(net_a, net_b):

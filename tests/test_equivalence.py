@@ -9,6 +9,7 @@ from skorch.helper import predefined_split
 
 from conftest import (
     PARAM_ATOL,
+    MLPClassifier,
     assert_same_history,
     classification_data,
     fit_pair,
@@ -82,21 +83,11 @@ class TestParametersMatchLargeBatch:
         X, y = classification_data()
         X = X.astype(np.float32)
         acc_net, plain_net = fit_pair(
-            4, X, y, module=Float32Classifier,
+            4, X, y, module=MLPClassifier, module__dtype=torch.float32,
             **OPTIMIZERS['sgd-momentum-decay'])
         for key, value in acc_net.module_.state_dict().items():
             expected = plain_net.module_.state_dict()[key]
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
-
-
-class Float32Classifier(torch.nn.Module):
-    def __init__(self, n_hidden=16):
-        super().__init__()
-        self.hidden = torch.nn.Linear(10, n_hidden)
-        self.output = torch.nn.Linear(n_hidden, 3)
-
-    def forward(self, X):
-        return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
 
 
 class TestValidationIsUntouched:

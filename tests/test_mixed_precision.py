@@ -11,7 +11,7 @@ from skorch.callbacks import Callback, LRScheduler
 
 from skorch_gradacc import GradAccMixin, GradAccNeuralNetClassifier
 
-from conftest import classification_data, fit_seeded
+from conftest import classification_data, fit_seeded, param_diff
 
 
 class Float32MLP(torch.nn.Module):
@@ -88,15 +88,11 @@ def test_bf16_matches_large_batch_net_under_autocast():
     fp32 = fit_seeded(NeuralNetClassifier(Float32MLP, batch_size=32, **COMMON),
                       X, y)
 
-    def diff(net_a, net_b):
-        return max((a - b).abs().max().item() for a, b in zip(
-            net_a.module_.parameters(), net_b.module_.parameters()))
-
     assert acc_net.module_.train_dtype_ == torch.bfloat16
     assert fp32.module_.train_dtype_ == torch.float32
     # bf16 rounds differently in micro-batches than in the whole batch, so
     # the match is to bf16 precision, not to float64's
-    assert diff(acc_net, plain) < 2e-3
+    assert param_diff(acc_net, plain) < 2e-3
     np.testing.assert_allclose(acc_net.history[:, 'train_loss'],
                                plain.history[:, 'train_loss'], rtol=1e-2)
 
