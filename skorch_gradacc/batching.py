@@ -72,7 +72,17 @@ def split_batch(batch, micro_batch_size):
 def _apply(fn, outputs):
     """Apply ``fn`` to parallel lists of tensors in nested outputs."""
     first = outputs[0]
+    if first is None:
+        return None
     if isinstance(first, torch.Tensor):
+        shapes = {tuple(out.shape[1:]) for out in outputs}
+        if fn is torch.cat and len(shapes) > 1:
+            raise ValueError(
+                "Cannot join the outputs of micro-batches whose shapes differ "
+                "beyond the first axis: {}. Outputs of dynamically padded "
+                "micro-batches cannot form one batch; read them per "
+                "micro-batch instead.".format(
+                    sorted(tuple(out.shape) for out in outputs)))
         return fn(outputs)
     if isinstance(first, dict):
         return {key: _apply(fn, [out[key] for out in outputs]) for key in first}

@@ -2,9 +2,9 @@
 
 import numbers
 
-from skorch.callbacks import Callback, ProgressBar
+from skorch.callbacks import Callback, LRScheduler, ProgressBar
 
-__all__ = ['AccumulationScheduler', 'GradAccProgressBar']
+__all__ = ['AccumulationScheduler', 'GradAccLRScheduler', 'GradAccProgressBar']
 
 
 class GradAccProgressBar(ProgressBar):
@@ -37,14 +37,54 @@ class GradAccProgressBar(ProgressBar):
         return batch_size
 
 
+class GradAccLRScheduler(LRScheduler):
+    """A :class:`skorch.callbacks.LRScheduler` that counts applied updates.
+
+    When ``skip_nonfinite`` or the GradScaler of ``mixed_precision='fp16'``
+    skips an optimizer step, a scheduler with ``step_every='batch'`` does
+    not advance, so that it counts the updates that were applied, as
+    skorch's scheduler does for Accelerate's skipped steps. It takes the
+    same parameters as :class:`skorch.callbacks.LRScheduler`.
+
+    You rarely need to name it: :class:`skorch_gradacc.GradAccMixin` uses it
+    in place of any plain ``LRScheduler`` passed in ``callbacks``. A subclass
+    of ``LRScheduler`` of your own is left as it is; derive it from this
+    class instead to get the same behavior.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from skorch.toy import make_classifier
+    >>> from skorch_gradacc import GradAccNeuralNetClassifier
+    >>> net = GradAccNeuralNetClassifier(
+    ...     make_classifier(), batch_size=16, acc_steps=8, skip_nonfinite=True,
+    ...     callbacks=[GradAccLRScheduler(torch.optim.lr_scheduler.StepLR,
+    ...                                   step_size=1, step_every='batch')])
+
+    """
+
+    def on_batch_end(self, net, training, **kwargs):
+        """Step per batch, unless the net skipped this batch's step."""
+        self.skip_step_ = training and getattr(net, 'step_skipped_', False)
+        try:
+            super().on_batch_end(net, training, **kwargs)
+        finally:
+            self.skip_step_ = False
+
+    def _step(self, net, lr_scheduler, score=None):
+        if getattr(self, 'skip_step_', False):
+            return
+        super()._step(net, lr_scheduler, score=score)
+
+
 class AccumulationScheduler(Callback):
     """Change ``acc_steps`` from epoch to epoch.
 
     The skorch counterpart of Lightning's ``GradientAccumulationScheduler``,
     and a way to "increase the batch size instead of decaying the learning
     rate" (Smith et al., 2018). The new value takes effect at the start of
-    an epoch, never inside one; the training iterator is rebuilt so that
-    its batches are the new groups. Each epoch's value is recorded in the
+    an epoch, never inside one: the epoch's micro-batches are grouped by
+    it. Each epoch's value is recorded in the
     history as ``acc_steps``. Per-batch learning-rate schedulers keep
     counting optimizer steps. The net's ``acc_steps`` parameter is left as
     it is: the scheduled value lives in ``acc_steps_`` during training.

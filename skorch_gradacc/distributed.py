@@ -1,16 +1,95 @@
 """Data-parallel training of GradAcc nets with DistributedDataParallel.
 
-Each process (rank), started by ``torchrun``, trains on its share of every
-group. Non-step micro-batches run under ``no_sync()``, so the gradients are
-all-reduced once per optimizer step, not once per micro-batch, and the
-all-reduce itself normalises by the group's item count over all ranks.
+All of the package's DDP code lives here:
+
+* :class:`GradientSync`, used by :class:`~skorch_gradacc.GradAccMixin`
+  whenever its module is wrapped in DistributedDataParallel (by
+  :class:`DistributedGradAccMixin` or by skorch's ``AccelerateMixin``):
+  ``no_sync()`` for every micro-batch of a group but the last, the global
+  item count, and a communication hook whose all-reduce normalizes by it;
+* :class:`DistributedGradAccMixin`, which wraps the module and gives the
+  training iterator a DistributedSampler, for ``torchrun``.
 """
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-__all__ = ['DistributedGradAccMixin']
+__all__ = ['DistributedGradAccMixin', 'GradientSync', 'gradient_sync']
+
+
+class GradientSync:
+    """Synchronize a group's gradient across processes once per step.
+
+    A rank holds ``sum_j (c_j / u) * grad_j`` for its micro-batches (see
+    :meth:`~skorch_gradacc.GradAccMixin.accumulate_gradients`). With
+    ``factor = u / C``, ``C`` the group's item count over all ranks, the
+    all-reduced sum is the gradient of the mean over the whole distributed
+    group. The hook replaces DDP's default one, which averages over ranks.
+
+    Parameters
+    ----------
+    module : torch.nn.parallel.DistributedDataParallel
+      The wrapped module; the hook is registered on it.
+
+    Attributes
+    ----------
+    factor : float
+      What the next all-reduce multiplies this rank's gradient by.
+
+    allreduces : int
+      The number of gradient all-reduces so far: one per DDP bucket and
+      step.
+
+    """
+
+    def __init__(self, module, process_group=None):
+        self.module = module
+        self.process_group = process_group
+        self.factor = 1.0
+        self.allreduces = 0
+        module.register_comm_hook(self, _scaled_allreduce_hook)
+
+    def context(self, syncs):
+        """Return the context of a micro-batch's backward.
+
+        ``no_sync()`` unless the micro-batch is the group's last (``syncs``).
+        """
+        return contextlib.nullcontext() if syncs else self.module.no_sync()
+
+    def global_count(self, count):
+        """Return the sum of ``count`` over all ranks."""
+        total = torch.tensor([float(count)], dtype=torch.float64)
+        dist.all_reduce(total, group=self.process_group)
+        return total.item()
+
+
+def _scaled_allreduce_hook(state, bucket):
+    """Multiply this rank's bucket by ``state.factor``, then sum over ranks."""
+    tensor = bucket.buffer()
+    tensor.mul_(state.factor)
+    state.allreduces += 1
+    future = dist.all_reduce(
+        tensor, group=state.process_group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0])
+
+
+def gradient_sync(net):
+    """Return the :class:`GradientSync` of ``net``'s module, or None.
+
+    None unless ``net.module_`` is wrapped in DistributedDataParallel. The
+    sync is created once per wrapped module and kept in ``net.comm_state_``.
+    """
+    module = getattr(net, 'module_', None)
+    if not isinstance(module, DistributedDataParallel):
+        return None
+    sync = getattr(net, 'comm_state_', None)
+    if sync is None or sync.module is not module:
+        sync = net.comm_state_ = GradientSync(module)
+    return sync
 
 
 class DistributedGradAccMixin:
@@ -43,9 +122,9 @@ class DistributedGradAccMixin:
     ``save_params`` on one rank, or ``net.module_.module`` for the
     unwrapped module.
 
-    The no_sync and normalisation logic lives in
-    :class:`~skorch_gradacc.GradAccMixin` and applies to any module wrapped
-    in DistributedDataParallel, also by skorch's ``AccelerateMixin``.
+    The no_sync and normalization logic (:class:`GradientSync`) applies to
+    any module wrapped in DistributedDataParallel, also by skorch's
+    ``AccelerateMixin``.
 
     Attributes
     ----------

@@ -124,3 +124,31 @@ def test_skorch_accelerate_accumulation_keeps_only_last_micro_batch():
         net.module_.parameters(), plain.module_.parameters()))
     assert diff > 1e-3
     assert np.isfinite(diff)
+
+
+def test_signature_shows_every_mixins_parameters():
+    import inspect
+
+    params = inspect.signature(AcceleratedGradAccNet).parameters
+    for name in ['module', 'criterion', 'classes', 'accelerator',
+                 'unwrap_after_train', 'acc_steps', 'micro_batch_size',
+                 'skip_nonfinite', 'mixed_precision']:
+        assert name in params, name
+    # the extended net's defaults, not NeuralNet's
+    assert params['criterion'].default is torch.nn.NLLLoss
+    assert list(params)[-1] == 'kwargs'
+
+
+@pytest.mark.parametrize('kwargs', [
+    {'mixed_precision': 'bf16'}, {'skip_nonfinite': True}])
+def test_step_options_with_accelerate_are_refused(kwargs):
+    net = AcceleratedGradAccNet(MLPClassifier, accelerator=accelerator(),
+                                **kwargs)
+    with pytest.raises(ValueError) as exc:
+        net.initialize()
+    assert str(exc.value) == (
+        "With AccelerateMixin, the accelerator steps the optimizer: leave "
+        "mixed_precision=None and skip_nonfinite=False on "
+        "AcceleratedGradAccNet (got mixed_precision={!r}, skip_nonfinite={!r}) "
+        "and use the accelerator's mixed_precision option instead.".format(
+            kwargs.get('mixed_precision'), kwargs.get('skip_nonfinite', False)))

@@ -18,6 +18,9 @@ from conftest import PARAM_ATOL, assert_same_history, fit_pair, max_param_diff
 class RecordSteps(Callback):
     """Record each training batch's size, gradient, and what it was given."""
 
+    needs_train_batch = True
+    needs_train_y_pred = True
+
     def initialize(self):
         self.batch_begin_sizes_ = []
         self.batch_end_ = []

@@ -191,3 +191,41 @@ def test_auto_backs_off_on_real_cuda_memory(clf_data):
     plain = NeuralNetClassifier(WideMLP, **kwargs).fit(X, y)
     for p, q in zip(net.module_.parameters(), plain.module_.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+class BatchNormCapped(torch.nn.Module):
+    """BatchNorm updates its statistics before the simulated out-of-memory
+    error, as a real failure late in the forward pass would."""
+
+    def __init__(self, max_rows=16):
+        super().__init__()
+        self.hidden = torch.nn.Linear(10, 16, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(16, dtype=torch.float64)
+        self.output = torch.nn.Linear(16, 3, dtype=torch.float64)
+        self.max_rows = max_rows
+
+    def forward(self, X):
+        hidden = self.norm(self.hidden(X))
+        if len(X) > self.max_rows:
+            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return torch.softmax(self.output(torch.tanh(hidden)), dim=-1)
+
+
+def test_auto_restores_buffers_of_failed_attempts(clf_data):
+    # 64 rows fail, 32 fail, 16 fit: the run equals one with 16 from the
+    # start, BatchNorm's running statistics and counter included
+    kwargs = dict(batch_size=64, max_epochs=2, lr=0.1, verbose=0,
+                  train_split=None, iterator_train__shuffle=True)
+    auto = fit_seeded(GradAccNeuralNetClassifier(
+        BatchNormCapped, micro_batch_size='auto', **kwargs), *clf_data)
+    fixed = fit_seeded(GradAccNeuralNetClassifier(
+        BatchNormCapped, micro_batch_size=16, **kwargs), *clf_data)
+    assert auto.micro_batch_size_ == 16
+    assert auto.history[0, 'batches', 0, 'micro_batch_size_backoff'] == [32, 16]
+    fixed_state = fixed.module_.state_dict()
+    for key, value in auto.module_.state_dict().items():
+        torch.testing.assert_close(value, fixed_state[key], rtol=0,
+                                   atol=PARAM_ATOL, msg=key)
+    # micro-batches of 64, 64, 64 and 11 rows, in pieces of at most 16: 13
+    # forward passes an epoch
+    assert auto.module_.norm.num_batches_tracked.item() == 26

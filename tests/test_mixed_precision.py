@@ -9,7 +9,7 @@ import torch
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, LRScheduler
 
-from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc import GradAccMixin, GradAccNeuralNetClassifier
 
 from conftest import classification_data, fit_seeded
 
@@ -157,16 +157,61 @@ class TestFloat16GradScaler:
             0.1 * 0.9 ** applied, rel=1e-9)
         assert all(torch.isfinite(p).all() for p in net.module_.parameters())
 
-    def test_override_without_super_is_caught(self):
+    def test_loss_computed_without_get_loss_is_refused(self):
         class Unscaled(GradAccNeuralNetClassifier):
             def train_step_single(self, batch, **fit_params):
-                return NeuralNetClassifier.train_step_single(
-                    self, batch, **fit_params)
+                Xi, yi = batch
+                loss = self.criterion_(torch.log(self.infer(Xi)), yi)
+                loss.backward()
+                return {'loss': loss, 'y_pred': None}
 
         net = Unscaled(Float32MLP, batch_size=8, acc_steps=4,
                        mixed_precision='fp16', **COMMON)
-        with pytest.raises(RuntimeError, match='must call super'):
+        msg = ("mixed_precision='fp16' scales the loss in get_loss; an "
+               "override of train_step_single must compute the loss with "
+               "self.get_loss(..., training=True), and an override of "
+               "get_loss must call super().get_loss.")
+        with pytest.raises(RuntimeError) as exc:
             fit_seeded(net, *data())
+        assert str(exc.value) == msg
+        # refused at the first micro-batch, before any step
+        assert not net.history[-1, 'batches'][0].get('train_loss')
+
+
+class CountingOwnNet(NeuralNetClassifier):
+    """A user's net with its own train_step_single, behind or in front of
+    the mixin, as in ``class MyNet(GradAccMixin, MyOwnNet)``."""
+
+    def train_step_single(self, batch, **fit_params):
+        self.own_calls_ = getattr(self, 'own_calls_', 0) + 1
+        return super().train_step_single(batch, **fit_params)
+
+
+class MixinFirstNet(GradAccMixin, CountingOwnNet):
+    pass
+
+
+class OwnFirstNet(CountingOwnNet, GradAccNeuralNetClassifier):
+    pass
+
+
+@pytest.mark.parametrize('net_cls', [MixinFirstNet, OwnFirstNet])
+@pytest.mark.parametrize('mixed_precision', [None, 'bf16', 'fp16'])
+def test_train_step_single_override_runs_in_either_order(
+        net_cls, mixed_precision):
+    X, y = data()
+    net = fit_seeded(net_cls(Float32MLP, batch_size=8, acc_steps=4,
+                             mixed_precision=mixed_precision, **COMMON), X, y)
+    # once per micro-batch: 26 micro-batches of 203 rows, 2 epochs
+    assert net.own_calls_ == 52
+    expected = {None: torch.float32, 'bf16': torch.bfloat16,
+                'fp16': torch.float16}[mixed_precision]
+    assert net.module_.train_dtype_ == expected
+    reference = fit_seeded(GradAccNeuralNetClassifier(
+        Float32MLP, batch_size=8, acc_steps=4, mixed_precision=mixed_precision,
+        **COMMON), X, y)
+    for p, q in zip(net.module_.parameters(), reference.module_.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')

@@ -13,6 +13,8 @@ from conftest import PARAM_ATOL, classification_data, fit_pair, max_param_diff
 class RecordSampleIds(Callback):
     """Record which samples each optimizer step used (column 0 holds ids)."""
 
+    needs_train_batch = True
+
     def initialize(self):
         self.steps_ = []
         return self

@@ -1,0 +1,151 @@
+"""Mixed precision, and whether an optimizer step is taken or skipped.
+
+:class:`StepDecisionMixin` is a base of :class:`~skorch_gradacc.GradAccMixin`
+and holds, in one place:
+
+* autocast for each micro-batch's forward pass and loss
+  (``mixed_precision='bf16'`` or ``'fp16'``);
+* the GradScaler of ``'fp16'``: every micro-batch's loss is scaled for
+  ``backward`` in :meth:`StepDecisionMixin.get_loss`, the gradient is
+  unscaled once per group, and the scaler steps and updates once per group;
+* the check for inf/NaN gradients of ``skip_nonfinite``;
+* the step itself, entered through skorch's ``_step_optimizer`` as
+  ``AccelerateMixin`` does: taken, or skipped with ``step_skipped_`` set.
+"""
+
+import contextlib
+
+import torch
+
+__all__ = ['AUTOCAST_DTYPES', 'StepDecisionMixin']
+
+AUTOCAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+class StepDecisionMixin:
+    """Autocast, loss scaling and the step-or-skip decision of a GradAcc net.
+
+    Not used on its own: :class:`~skorch_gradacc.GradAccMixin` derives from
+    it and owns the parameters ``mixed_precision`` and ``skip_nonfinite``.
+
+    Attributes
+    ----------
+    grad_scaler_ : torch.amp.GradScaler or None
+      The GradScaler of ``mixed_precision='fp16'``, created at the first
+      training step.
+
+    step_skipped_ : bool
+      Whether the last training step was skipped.
+
+    """
+
+    def _decides_step(self):
+        """Whether the net, not the optimizer alone, decides about each step."""
+        return self.skip_nonfinite or self.mixed_precision == 'fp16'
+
+    def _device_type(self):
+        return torch.device(self.device).type if self.device else 'cpu'
+
+    def _autocast(self):
+        """Return the context for one micro-batch's forward and backward."""
+        if self.mixed_precision is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type(),
+                              dtype=AUTOCAST_DTYPES[self.mixed_precision])
+
+    def _get_grad_scaler(self):
+        """Return the GradScaler of ``mixed_precision='fp16'``, else None."""
+        if self.mixed_precision != 'fp16':
+            return None
+        if getattr(self, 'grad_scaler_', None) is None:
+            self.grad_scaler_ = torch.amp.GradScaler(self._device_type())
+        return self.grad_scaler_
+
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        """Return the loss; in fp16 training its gradient is scaled.
+
+        With ``mixed_precision='fp16'``, the training loss that is returned
+        has the value of the loss, so the history and the callbacks see the
+        true loss, while ``backward`` computes the gradient of the loss
+        multiplied by the GradScaler's scale.
+
+        """
+        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        scaler = self._get_grad_scaler() if training else None
+        if scaler is None:
+            return loss
+        self.scaled_losses_ = getattr(self, 'scaled_losses_', 0) + 1
+        scaled = scaler.scale(loss)
+        # the value of loss, the gradient of scaled
+        return loss.detach() + (scaled - scaled.detach())
+
+    def _run_scaled(self, fn, *args, **kwargs):
+        """Call ``fn`` (one micro-batch's forward and backward) under autocast.
+
+        With a GradScaler, check that the loss was scaled, i.e. that it came
+        from :meth:`get_loss`.
+
+        """
+        before = getattr(self, 'scaled_losses_', 0)
+        with self._autocast():
+            step = fn(*args, **kwargs)
+        if (self.mixed_precision == 'fp16'
+                and getattr(self, 'scaled_losses_', 0) == before):
+            raise RuntimeError(
+                "mixed_precision='fp16' scales the loss in get_loss; an "
+                "override of train_step_single must compute the loss with "
+                "self.get_loss(..., training=True), and an override of "
+                "get_loss must call super().get_loss.")
+        return step
+
+    def _unscale_gradients(self):
+        """Undo the GradScaler's scale, once per group, before callbacks."""
+        scaler = self._get_grad_scaler()
+        if scaler is None:
+            return
+        for name in self._optimizers:
+            scaler.unscale_(getattr(self, name + '_'))
+
+    def _gradients_are_finite(self):
+        grads = [param.grad for _, param in self.get_all_learnable_params()
+                 if param.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(grad).all() for grad in grads])
+                    .all())
+
+    def _step_optimizer(self, step_fn):
+        """Step all optimizers, unless the step is to be skipped.
+
+        A skipped step leaves parameters and optimizer state unchanged, zeroes
+        the gradient, sets ``step_skipped_`` (which per-batch
+        :class:`~skorch_gradacc.callbacks.GradAccLRScheduler` callbacks
+        read) and records ``step_skipped=True`` in the batch's history row.
+
+        """
+        if not self._decides_step():
+            self.step_skipped_ = False
+            return super()._step_optimizer(step_fn)
+        # closure optimizers (LBFGS) are refused with these options, so the
+        # closure is called once, here
+        step_fn()
+        scaler = self._get_grad_scaler()
+        if self.skip_nonfinite and not self._gradients_are_finite():
+            if scaler is not None:
+                scaler.update()  # unscale_ saw the inf: lower the scale
+            skipped = True
+        elif scaler is None:
+            super()._step_optimizer(None)
+            skipped = False
+        else:
+            scale = scaler.get_scale()
+            for name in self._optimizers:
+                scaler.step(getattr(self, name + '_'))
+            scaler.update()
+            # on inf/NaN the scaler skips the step and lowers the scale
+            skipped = scaler.get_scale() < scale
+        if skipped:
+            self._zero_grad_optimizer()
+        self.step_skipped_ = skipped
+        self.history.record_batch('step_skipped', skipped)
+        return None
