@@ -9,6 +9,8 @@
   rule of Lightning and most loops (the demo's ``NaiveDivideByK``).
 * ``hand``: a hand-written PyTorch loop with ``loss / k``, the floor for
   speed: :class:`HandLoop`.
+* ``accumgrad``: the same loop with :class:`skorch_gradacc.AccumGrad`
+  instead of ``loss / k``: :class:`AccumGradLoop`.
 
 Every skorch contender is built by :func:`make_net` with the same settings
 (SGD with momentum, shuffled training data, no validation split, logits and
@@ -19,10 +21,11 @@ import torch
 from skorch import NeuralNetClassifier
 from skorch.hf import AccelerateMixin
 
-from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
 from skorch_gradacc.demo import NaiveDivideByK
 
-__all__ = ['AccelerateNet', 'FAQRecipeNet', 'HandLoop', 'make_net']
+__all__ = ['AccelerateNet', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop',
+           'make_net']
 
 
 class FAQRecipeNet(NeuralNetClassifier):
@@ -163,3 +166,28 @@ class HandLoop:
             if i % self.acc_steps == 0 or i == n_batches:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
+
+
+class AccumGradLoop(HandLoop):
+    """The hand-written loop with :class:`skorch_gradacc.AccumGrad`.
+
+    The standard loop, ``zero_grad``, ``backward``, ``step``, with no
+    ``loss / k``: the wrapper steps once per ``acc_steps`` micro-batches.
+    Each micro-batch's rows are counted (``set_count``), so a short last
+    micro-batch weighs what it holds, and the epoch's partial last group is
+    flushed. Same parameters as :class:`HandLoop`.
+    """
+
+    def __init__(self, module, loader, acc_steps, lr=0.05):
+        super().__init__(module, loader, acc_steps, lr=lr)
+        self.optimizer = AccumGrad(self.optimizer, acc_steps)
+
+    def epoch(self):
+        """Train for one epoch."""
+        self.module.train()
+        for Xi, yi in self.loader:
+            self.optimizer.zero_grad()
+            self.optimizer.set_count(len(yi))
+            self.criterion(self.module(Xi), yi).backward()
+            self.optimizer.step()
+        self.optimizer.flush()

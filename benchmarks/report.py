@@ -265,18 +265,21 @@ def _md_exactness(exactness):
            'The data leave a short last micro-batch and a partial last group. '
            'k=1 controls: each recipe at acc_steps=1 against plain skorch at '
            'B. Loss ratio: the final epoch\'s reported train_loss over the '
-           'large-batch net\'s.', '']
+           'large-batch net\'s (-: the loops keep no history).', '']
     rows = []
     for model, entry in exactness.items():
         cfg = entry['config']
         for kind, label in (('gradacc', 'GradAcc'), ('faq', 'FAQ recipe'),
                             ('accelerate', 'AccelerateMixin'),
-                            ('naive', 'naive / k, last group flushed')):
+                            ('naive', 'naive / k, last group flushed'),
+                            ('hand', 'hand-written loop, loss / k'),
+                            ('accumgrad', 'AccumGrad in the same loop')):
+            ratio = entry[kind]['train_loss_ratio']
             rows.append([
                 _label(model),
                 'n={n}, B={B}, k={k}, {epochs} epochs'.format(**cfg), label,
                 _sci(entry[kind]['max_param_diff']),
-                '{:.3f}'.format(entry[kind]['train_loss_ratio']),
+                '-' if ratio is None else '{:.3f}'.format(ratio),
                 _sci(entry[kind]['control_k1_max_param_diff']),
             ])
     out += [_table(['model', 'setting', 'recipe', 'max abs param diff',
@@ -371,11 +374,11 @@ def markdown(results):
 # -------------------------------------------------------------------- plot
 
 PLOT_CONTENDERS = ('gradacc', 'gradacc_k1', 'plain_B_again', 'faq',
-                   'accelerate', 'plain_Bk', 'hand')
+                   'accelerate', 'plain_Bk', 'hand', 'accumgrad')
 PLOT_NAMES = {'gradacc': 'GradAcc (B, k)', 'gradacc_k1': 'GradAcc (B, 1)',
               'plain_B_again': 'plain B (A/A)', 'faq': 'FAQ recipe',
               'accelerate': 'Accelerate', 'plain_Bk': 'plain B*k',
-              'hand': 'hand loop'}
+              'hand': 'hand loop', 'accumgrad': 'AccumGrad loop'}
 
 
 def _plot_overhead(ax, overhead):
@@ -476,7 +479,8 @@ def _plot_exactness(ax, exactness):
     import numpy as np
 
     kinds = [('gradacc', 'GradAcc'), ('faq', 'FAQ recipe'),
-             ('accelerate', 'Accelerate'), ('naive', 'naive / k')]
+             ('accelerate', 'Accelerate'), ('naive', 'naive / k'),
+             ('hand', 'hand loop / k'), ('accumgrad', 'AccumGrad loop')]
     models = list(exactness)
     x = np.arange(len(models))
     width = 0.8 / len(kinds)

@@ -11,11 +11,12 @@ import cProfile
 import functools
 import pstats
 import sys
+import types
 
 import numpy as np
 import torch
 
-from benchmarks.contenders import HandLoop, make_net
+from benchmarks.contenders import AccumGradLoop, HandLoop, make_net
 from benchmarks.memory import activation_peak, rss_peaks
 from benchmarks.models import make_data, make_module
 from benchmarks.timing import interleave, ratio_summary, summary
@@ -30,6 +31,7 @@ CONTENDERS = {
     'plain_Bk': 'skorch `NeuralNetClassifier(batch_size=B*k)`',
     'hand': 'hand-written PyTorch loop, `loss / k` (the floor)',
     'hand_skorch_data': 'the same loop, fed by skorch\'s training iterator',
+    'accumgrad': 'the hand-written loop with `AccumGrad(SGD, k)`, no `loss / k`',
     'gradacc_no_callbacks': 'GradAcc with `callbacks="disable"`',
     'faq': 'skorch\'s FAQ recipe at (B, k)',
     'accelerate': '`AccelerateMixin` + `Accelerator(gradient_accumulation_steps=k)`',
@@ -106,6 +108,8 @@ def _overhead_one(name, cfg, rounds, warmup):
             module(**module_kwargs), X, y, B, k).epoch,
         'hand_skorch_data': HandLoop(
             module(**module_kwargs), skorch_iterator, k).epoch,
+        'accumgrad': AccumGradLoop.from_arrays(
+            module(**module_kwargs), X, y, B, k).epoch,
         'gradacc_no_callbacks': _epoch_fn(
             net('gradacc', B, k, callbacks='disable'), X, y),
         'faq': _epoch_fn(net('faq', B, k), X, y),
@@ -287,6 +291,23 @@ def _exactness_one(name, cfg, epochs):
             'control_k1_max_param_diff': _max_param_diff(
                 fit(kind, B, 1), plain_b),
         }
+
+    def fit_loop(loop_class, acc_steps):
+        # the seed and the DataLoader's shuffling are the nets' own
+        torch.manual_seed(0)
+        loop = loop_class.from_arrays(
+            module(**module_kwargs), X, y, B, acc_steps)
+        for _ in range(epochs):
+            loop.epoch()
+        return loop.module
+
+    for kind, loop_class in (('hand', HandLoop), ('accumgrad', AccumGradLoop)):
+        entry[kind] = {
+            'max_param_diff': _max_module_diff(fit_loop(loop_class, k), large),
+            'train_loss_ratio': None,  # the loops keep no history
+            'control_k1_max_param_diff': _max_module_diff(
+                fit_loop(loop_class, 1), plain_b),
+        }
     return entry
 
 
@@ -299,6 +320,10 @@ def _max_param_diff(net, reference):
     state = reference.module_.state_dict()
     return max((value - state[key]).abs().max().item()
                for key, value in net.module_.state_dict().items())
+
+
+def _max_module_diff(module, reference):
+    return _max_param_diff(types.SimpleNamespace(module_=module), reference)
 
 
 def scaling(k_models, ks, data, rounds, warmup=1):

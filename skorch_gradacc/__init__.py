@@ -5,6 +5,7 @@ memory: ``GradAccNeuralNetClassifier(module, batch_size=16, acc_steps=8)``
 trains like ``NeuralNetClassifier(module, batch_size=128)``.
 """
 
+from skorch_gradacc.accum_grad import AccumGrad
 from skorch_gradacc.callbacks import AccumulationScheduler, GradAccProgressBar
 from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
@@ -18,6 +19,7 @@ from skorch_gradacc.nets import (
 __version__ = '0.1.0.dev0'
 
 __all__ = [
+    'AccumGrad',
     'AccumulationScheduler',
     'DistributedGradAccMixin',
     'GradAccMixin',

@@ -117,13 +117,14 @@ class TestExactness:
     @pytest.mark.parametrize('model', MODELS)
     def test_gradacc_is_the_large_batch(self, results, model):
         assert results['exactness'][model]['gradacc']['max_param_diff'] < 1e-10
+        assert results['exactness'][model]['accumgrad']['max_param_diff'] < 1e-10
         assert results['exactness'][model]['gradacc'][
             'train_loss_ratio'] == pytest.approx(1.0, abs=1e-10)
 
     @pytest.mark.parametrize('model', MODELS)
     def test_other_recipes_are_not(self, results, model):
         entry = results['exactness'][model]
-        for kind in ('faq', 'accelerate', 'naive'):
+        for kind in ('faq', 'accelerate', 'naive', 'hand'):
             assert entry[kind]['max_param_diff'] > 1e-4, kind
         # the FAQ recipe reports the loss divided by k
         k = entry['config']['k']
@@ -132,7 +133,8 @@ class TestExactness:
     @pytest.mark.parametrize('model', MODELS)
     def test_k1_controls_are_plain_skorch(self, results, model):
         entry = results['exactness'][model]
-        for kind in ('gradacc', 'faq', 'accelerate', 'naive'):
+        for kind in ('gradacc', 'faq', 'accelerate', 'naive', 'hand',
+                     'accumgrad'):
             assert entry[kind]['control_k1_max_param_diff'] == 0.0, kind
 
 
