@@ -747,6 +747,20 @@ _OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
     (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
 
 
+def grad_acc_params_doc():
+    """Return the Parameters section of :class:`GradAccMixin`'s docstring.
+
+    The net classes add it to their own docstrings, so that the parameters
+    are documented in one place.
+    """
+    doc = inspect.getdoc(GradAccMixin)
+    start = doc.index('Parameters\n----------')
+    end = doc.index('Attributes\n----------')
+    section = doc[start:end].rstrip()
+    return '\n' + '\n'.join(
+        '    ' + line if line else line for line in section.splitlines()) + '\n'
+
+
 def _is_positive_int(value):
     return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
             and value >= 1)

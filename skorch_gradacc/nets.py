@@ -1,8 +1,8 @@
 """skorch's net classes with gradient accumulation.
 
 Each class is :class:`skorch_gradacc.GradAccMixin` in front of the skorch
-class of the same name; see the mixin for the ``acc_steps`` parameter and how
-accumulation works.
+class of the same name. Its docstring lists the mixin's parameters, taken
+from the mixin's own docstring; see the mixin for how accumulation works.
 """
 
 from skorch import (
@@ -12,7 +12,7 @@ from skorch import (
     NeuralNetRegressor,
 )
 
-from skorch_gradacc.mixin import GradAccMixin
+from skorch_gradacc.mixin import GradAccMixin, grad_acc_params_doc
 
 __all__ = [
     'GradAccNeuralNet',
@@ -25,10 +25,8 @@ __all__ = [
 class GradAccNeuralNet(GradAccMixin, NeuralNet):
     """:class:`skorch.NeuralNet` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNet` and ``acc_steps`` (int,
-    default=1): the number of micro-batches of ``batch_size`` samples whose
-    gradients are accumulated into each optimizer step. See
-    :class:`skorch_gradacc.GradAccMixin`.
+    Takes the parameters of :class:`skorch.NeuralNet`, and those of
+    :class:`skorch_gradacc.GradAccMixin`, listed below.
 
     Examples
     --------
@@ -49,10 +47,8 @@ class GradAccNeuralNet(GradAccMixin, NeuralNet):
 class GradAccNeuralNetClassifier(GradAccMixin, NeuralNetClassifier):
     """:class:`skorch.NeuralNetClassifier` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNetClassifier` and
-    ``acc_steps`` (int, default=1): the number of micro-batches of
-    ``batch_size`` samples whose gradients are accumulated into each
-    optimizer step. See :class:`skorch_gradacc.GradAccMixin`.
+    Takes the parameters of :class:`skorch.NeuralNetClassifier`, and those of
+    :class:`skorch_gradacc.GradAccMixin`, listed below.
 
     Examples
     --------
@@ -71,10 +67,8 @@ class GradAccNeuralNetClassifier(GradAccMixin, NeuralNetClassifier):
 class GradAccNeuralNetBinaryClassifier(GradAccMixin, NeuralNetBinaryClassifier):
     """:class:`skorch.NeuralNetBinaryClassifier` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNetBinaryClassifier` and
-    ``acc_steps`` (int, default=1): the number of micro-batches of
-    ``batch_size`` samples whose gradients are accumulated into each
-    optimizer step. See :class:`skorch_gradacc.GradAccMixin`.
+    Takes the parameters of :class:`skorch.NeuralNetBinaryClassifier`, and those of
+    :class:`skorch_gradacc.GradAccMixin`, listed below.
 
     Examples
     --------
@@ -94,10 +88,8 @@ class GradAccNeuralNetBinaryClassifier(GradAccMixin, NeuralNetBinaryClassifier):
 class GradAccNeuralNetRegressor(GradAccMixin, NeuralNetRegressor):
     """:class:`skorch.NeuralNetRegressor` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNetRegressor` and
-    ``acc_steps`` (int, default=1): the number of micro-batches of
-    ``batch_size`` samples whose gradients are accumulated into each
-    optimizer step. See :class:`skorch_gradacc.GradAccMixin`.
+    Takes the parameters of :class:`skorch.NeuralNetRegressor`, and those of
+    :class:`skorch_gradacc.GradAccMixin`, listed below.
 
     Examples
     --------
@@ -111,3 +103,10 @@ class GradAccNeuralNetRegressor(GradAccMixin, NeuralNetRegressor):
     (100, 1)
 
     """
+
+
+for _net in (GradAccNeuralNet, GradAccNeuralNetClassifier,
+             GradAccNeuralNetBinaryClassifier, GradAccNeuralNetRegressor):
+    _net.__doc__ = _net.__doc__.replace(
+        '\n    Examples\n', grad_acc_params_doc() + '\n    Examples\n', 1)
+del _net

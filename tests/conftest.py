@@ -157,3 +157,22 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
         np.testing.assert_allclose(
             [row['train_loss'] for row in rows_a],
             [row['train_loss'] for row in rows_b], rtol=rtol)
+
+
+# Modules whose tests start processes, clusters or whole trainings: marked
+# slow here, in one place, so that `python -m pytest -m "not slow"` is a
+# quick inner loop. CI runs everything.
+SLOW_MODULES = {
+    'test_benchmarks', 'test_dask', 'test_demo', 'test_distributed',
+    'test_docs', 'test_notebooks', 'test_properties', 'test_readme',
+    'test_sklearn_checks', 'test_skorch_suite', 'test_stream_memory',
+    'test_transformers_recipe',
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, 'module', None)
+        if module is not None and module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

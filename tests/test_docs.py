@@ -6,6 +6,8 @@ fresh namespace, so a recipe may be split by prose but never depends on
 another section (each FAQ answer stands alone). A page that is one script
 told in sections, like the quick start, says so with the comment
 ``.. test-docs: one script per page``; its blocks then share one namespace.
+A page whose recipes need optional packages names them in the comment
+``.. test-docs: requires NAME ...``; without them, its recipes are skipped.
 Examples written as doctests (``>>>``) in the pages are run with
 :mod:`doctest`. Code in other languages (``bash``, ``text``) is not run.
 
@@ -38,6 +40,7 @@ CODE_DIRECTIVE = re.compile(
     r'^(?P<indent>[ \t]*)\.\. (?:code-block|code|sourcecode)::\s*(?P<lang>\S*)\s*$')
 PYTHON_LANGUAGES = {'python', 'python3', 'py'}
 ONE_SCRIPT = re.compile(r'^\.\. test-docs: one script per page\s*$', re.M)
+REQUIRES = re.compile(r'^\.\. test-docs: requires (?P<names>.+?)\s*$', re.M)
 
 
 class Block:
@@ -120,6 +123,13 @@ def recipes():
 RECIPES = recipes()
 
 
+def required_packages(path):
+    """The packages that a page's ``test-docs: requires`` comments name."""
+    text = Path(path).read_text(encoding='utf-8')
+    return [name for match in REQUIRES.finditer(text)
+            for name in match.group('names').split()]
+
+
 def run_recipe(blocks, name='docs_recipe'):
     """Run the blocks of one recipe in order, in one fresh module namespace.
 
@@ -170,6 +180,8 @@ def isolated(tmp_path, monkeypatch):
     'path, section, blocks', RECIPES,
     ids=['{}::{}'.format(path.name, section) for path, section, _ in RECIPES])
 def test_recipe_runs(path, section, blocks, isolated):
+    for name in required_packages(path):
+        pytest.importorskip(name)
     run_recipe(blocks)
 
 
@@ -194,6 +206,11 @@ class TestExtraction:
     def test_pages_with_recipes(self):
         pages = {path.name for path, _, _ in RECIPES}
         assert {'quickstart.rst', 'how_it_works.rst', 'faq.rst'} <= pages
+
+    def test_pages_name_their_optional_packages(self):
+        assert required_packages(DOCS / 'fine_tuning_transformers.rst') == [
+            'transformers', 'tokenizers', 'accelerate']
+        assert required_packages(DOCS / 'faq.rst') == []
 
     def test_blocks_split_by_section_keep_page_line_numbers(self, tmp_path):
         page = tmp_path / 'page.rst'

@@ -9,6 +9,7 @@ from sklearn.model_selection import GridSearchCV, cross_val_score
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import FunctionTransformer
 
+import skorch_gradacc
 from skorch_gradacc import GradAccNeuralNetClassifier
 
 from conftest import MLPClassifier, fit_seeded
@@ -144,3 +145,22 @@ class SeededNet(GradAccNeuralNetClassifier):
         import torch
         torch.manual_seed(0)
         return super().initialize()
+
+
+@pytest.mark.parametrize('net_cls', [
+    skorch_gradacc.GradAccNeuralNet, skorch_gradacc.GradAccNeuralNetClassifier,
+    skorch_gradacc.GradAccNeuralNetBinaryClassifier,
+    skorch_gradacc.GradAccNeuralNetRegressor])
+def test_every_parameter_is_in_the_signature_and_documented(net_cls):
+    import inspect
+
+    own = [name for name, param in inspect.signature(
+        skorch_gradacc.GradAccMixin.__init__).parameters.items()
+        if param.kind == param.KEYWORD_ONLY]
+    assert own == ['acc_steps', 'micro_batch_size', 'skip_nonfinite',
+                   'mixed_precision']
+    signature = inspect.signature(net_cls).parameters
+    for name in own:
+        assert signature[name].default == inspect.signature(
+            skorch_gradacc.GradAccMixin.__init__).parameters[name].default
+        assert '\n    {} : '.format(name) in net_cls.__doc__, name

@@ -1,0 +1,34 @@
+"""Peak memory of ``fit`` where outputs or inputs are large
+(``python -m benchmarks.stream_memory``): accumulation holds one
+micro-batch, so its peak stays near plain skorch's at the micro-batch.
+
+Each figure comes from a fresh process (see the benchmark's docstring);
+memory, not time, is asserted.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.stream_memory import MODELS, measure  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not Path('/proc/self/clear_refs').exists(),
+    reason='measures peak RSS through /proc (Linux)')
+
+
+@pytest.mark.parametrize('name', ['lm_tokens', 'lm_last', 'mlp_4096',
+                                  'images'])
+def test_gradacc_peak_within_1_25x_of_plain_at_the_micro_batch(name):
+    B, k, rows = MODELS[name]
+    plain = measure(name, 'plain', B, 1, rows)
+    gradacc = measure(name, 'gradacc', B, k, rows)
+    large = measure(name, 'plain', B * k, 1, rows)
+    # the allocator's granularity: a few MiB either way are noise
+    assert gradacc <= 1.25 * plain + 2048, (plain, gradacc)
+    assert gradacc < 0.5 * large, (gradacc, large)
