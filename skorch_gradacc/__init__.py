@@ -7,6 +7,7 @@ trains like ``NeuralNetClassifier(module, batch_size=128)``.
 
 from skorch_gradacc.accum_grad import AccumGrad
 from skorch_gradacc.callbacks import AccumulationScheduler, GradAccProgressBar
+from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,
@@ -20,6 +21,7 @@ __version__ = '0.1.0.dev0'
 __all__ = [
     'AccumGrad',
     'AccumulationScheduler',
+    'DistributedGradAccMixin',
     'GradAccMixin',
     'GradAccProgressBar',
     'GradAccNeuralNet',

@@ -284,3 +284,70 @@ def test_docs_build_offline_without_warnings(tmp_path, monkeypatch):
         if name != '__version__':
             assert 'skorch_gradacc.' + name in api, name
     assert 'track_activation_memory' in api
+
+
+def test_api_names_every_parameter_of_every_net():
+    """api.rst's list of the mixin's parameters is complete, and each is
+    documented in the mixin's docstring and taken by every net."""
+    import inspect
+
+    import skorch_gradacc
+    from skorch_gradacc import GradAccMixin
+
+    own = [name for name, param in
+           inspect.signature(GradAccMixin.__init__).parameters.items()
+           if param.kind is param.KEYWORD_ONLY]
+    assert own
+    api = (DOCS / 'api.rst').read_text(encoding='utf-8')
+    listed = re.search(r'plus the mixin\'s (\w+),', api)
+    assert listed and listed.group(1) == {
+        1: 'one', 2: 'two', 3: 'three', 4: 'four', 5: 'five'}[len(own)]
+    for name in own:
+        assert '``{}``'.format(name) in api, name
+        assert '\n    {} : '.format(name) in GradAccMixin.__doc__, name
+        for net in ('GradAccNeuralNet', 'GradAccNeuralNetClassifier',
+                    'GradAccNeuralNetBinaryClassifier',
+                    'GradAccNeuralNetRegressor'):
+            cls = getattr(skorch_gradacc, net)
+            assert name in inspect.signature(cls).parameters, (net, name)
+
+
+def test_allreduces_per_step_are_as_documented(tmp_path, monkeypatch):
+    """scaling_out.rst: per optimizer step, one gradient all-reduce per DDP
+    bucket (one for a small model) and one all-reduce of the item count."""
+    import torch.distributed as dist
+    from sklearn.datasets import make_classification
+
+    from skorch_gradacc import (
+        DistributedGradAccMixin,
+        GradAccNeuralNetClassifier,
+    )
+
+    class DDPNet(DistributedGradAccMixin, GradAccNeuralNetClassifier):
+        pass
+
+    sizes = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, 'all_reduce', counting_all_reduce)
+    X, y = make_classification(202, 10, random_state=0)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        net = DDPNet(torch.nn.Linear, module__in_features=10,
+                     module__out_features=2,
+                     criterion=torch.nn.CrossEntropyLoss, batch_size=8,
+                     acc_steps=3, max_epochs=2, train_split=None, verbose=0)
+        net.fit(X.astype(np.float32), y)
+    finally:
+        dist.destroy_process_group()
+    steps = sum(net.history[:, 'train_batch_count'])
+    assert steps == 2 * 9  # ceil(202 / 24) steps an epoch
+    assert net.comm_state_.allreduces == steps  # one bucket
+    assert sizes.count(1) == steps  # the group's item count, one number
+    assert sizes.count(10 * 2 + 2) == steps  # the gradient bucket
+    assert len(sizes) == 2 * steps
