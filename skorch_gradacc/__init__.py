@@ -1,12 +1,17 @@
 """Exact gradient accumulation for skorch nets.
 
-Train with the update of a large batch while only one micro-batch is in
-memory: ``GradAccNeuralNetClassifier(module, batch_size=16, acc_steps=8)``
-trains like ``NeuralNetClassifier(module, batch_size=128)``.
+Train with the update of a large batch while holding one micro-batch at a
+time: ``GradAccNeuralNetClassifier(module, batch_size=16, acc_steps=8)``
+trains like ``NeuralNetClassifier(module, batch_size=128)``; see the Memory
+section of the docs' "How it works" for what is held and what was measured.
 """
 
 from skorch_gradacc.accum_grad import AccumGrad
-from skorch_gradacc.callbacks import AccumulationScheduler, GradAccProgressBar
+from skorch_gradacc.callbacks import (
+    AccumulationScheduler,
+    GradAccLRScheduler,
+    GradAccProgressBar,
+)
 from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
@@ -22,6 +27,7 @@ __all__ = [
     'AccumGrad',
     'AccumulationScheduler',
     'DistributedGradAccMixin',
+    'GradAccLRScheduler',
     'GradAccMixin',
     'GradAccProgressBar',
     'GradAccNeuralNet',

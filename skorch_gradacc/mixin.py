@@ -514,7 +514,7 @@ class GradAccMixin(StepDecisionMixin):
         loss, and ``u`` the last count seen: it is rescaled in place only
         when the count changes, and once at the end by ``u / C``, ``C`` the
         group's total. The result is the gradient of the mean loss over all
-        items of the group, while only one micro-batch is in memory.
+        items of the group, while one micro-batch is held at a time.
         Overridden ``train_step_single`` and ``get_loss`` methods are used
         as they are; the loss is never touched.
 
