@@ -141,11 +141,26 @@ def parse_args(argv=None):
 def check_plot_path(parser, text):
     """Return the path that ``--plot`` will write; refuse a bad one.
 
-    A missing extension means PNG, and ``.png`` is added to the path, as
-    matplotlib does. ``parser.error`` exits with status 2 before any
-    training starts.
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+      Its ``error`` method refuses a bad path: a one-line message and exit
+      status 2, before any training starts.
+    text : str
+      The ``--plot`` argument. Without an extension, the figure is a PNG
+      and ``.png`` is added to the path, as matplotlib does.
+
+    Returns
+    -------
+    pathlib.Path
+      The file that the figure will be written to.
+
     """
-    from matplotlib.backend_bases import FigureCanvasBase
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        parser.error('--plot needs matplotlib: python -m pip install '
+                     'matplotlib')
 
     path = Path(text)
     if not path.suffix:
@@ -176,6 +191,25 @@ def train(label, net, X, y, repeats=1):
     Every fit starts from the same seed and gives the same net; timing
     several and taking the median keeps a slow outlier (a one-time cost, a
     busy machine) out of the ``seconds`` column.
+
+    Parameters
+    ----------
+    label : str
+      The run's name in the table and the figure.
+    net : skorch.NeuralNet
+      The net, with a :class:`ParamTrace` callback named ``'trace'``.
+    X, y : numpy.ndarray
+      The training data.
+    repeats : int
+      How many fits to time.
+
+    Returns
+    -------
+    dict
+      The fitted net, the time of each fit (``times``) and their median
+      (``seconds``), the peak activation memory, the losses, the last
+      validation accuracy and the parameters after each epoch.
+
     """
     sys.stderr.write('{}: {} fit(s)\n'.format(label, repeats))
     times = []
@@ -234,7 +268,20 @@ def run(args, X, y):
 
 
 def param_distances(result, reference):
-    """Max absolute parameter difference from ``reference``, per epoch."""
+    """Return the max absolute parameter difference per epoch.
+
+    Parameters
+    ----------
+    result, reference : dict
+      Two runs, as :func:`train` returns them.
+
+    Returns
+    -------
+    list of float
+      For each epoch, the largest absolute difference between a parameter
+      of ``result`` and the same parameter of ``reference``.
+
+    """
     return [max((value - ref[key]).abs().max().item()
                 for key, value in params.items())
             for params, ref in zip(result['params'], reference['params'])]
@@ -285,6 +332,18 @@ def plot(results):
     log scale, shows how far each really is. A distance of exactly zero
     cannot be drawn on a log scale and is marked at the bottom of the
     axis instead.
+
+    Parameters
+    ----------
+    results : list of dict
+      The large-batch, accumulated and naive runs, as :func:`train` returns
+      them, the large batch first.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+      The loss curves (left) and the parameter distances (right).
+
     """
     import matplotlib
     matplotlib.use('Agg')
@@ -330,7 +389,16 @@ def plot(results):
 
 
 def save_plot(results, path):
-    """Save :func:`plot`'s figure to ``path``."""
+    """Save :func:`plot`'s figure of ``results`` to ``path``.
+
+    Parameters
+    ----------
+    results : list of dict
+      The three runs, as for :func:`plot`.
+    path : str or pathlib.Path
+      Where to write the figure; the extension gives the format.
+
+    """
     import matplotlib.pyplot as plt
 
     fig = plot(results)

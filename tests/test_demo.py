@@ -90,6 +90,14 @@ def test_bad_plot_path_is_refused_before_training(plot, message, tmp_path,
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_plot_without_matplotlib_is_refused(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, 'matplotlib.backend_bases', None)
+    with pytest.raises(SystemExit) as exc:
+        demo.parse_args(['--plot', str(tmp_path / 'curves.png')])
+    assert exc.value.code == 2
+    assert '--plot needs matplotlib' in capsys.readouterr().err
+
+
 def test_plot_path_without_extension_is_png(tmp_path):
     args = demo.parse_args(['--plot', str(tmp_path / 'curves')])
     assert args.plot == tmp_path / 'curves.png'  # what matplotlib writes
