@@ -10,11 +10,16 @@ initial weights and in the same sample order:
   group stepped anyway), as found in skorch's FAQ and most training loops;
 
 and prints them side by side with a verdict. Nothing is downloaded.
+``--plot PATH`` saves the loss curves beside each run's parameter distance
+from the large-batch run, epoch by epoch.
 """
 
 import argparse
+import os
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +28,7 @@ from sklearn.preprocessing import StandardScaler
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 
-from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc import GradAccNeuralNetClassifier, GradAccProgressBar
 from skorch_gradacc.activation_memory import track_activation_memory
 
 __all__ = ['main']
@@ -83,21 +88,15 @@ class NaiveDivideByK(NeuralNetClassifier):
         self._zero_grad_optimizer()
 
 
-class Progress(Callback):
-    """A one-line progress display on stderr, for the three runs."""
+class ParamTrace(Callback):
+    """Record a copy of the module's parameters at the end of each epoch."""
 
-    def __init__(self, label, total):
-        self.label = label
-        self.total = total
+    def on_train_begin(self, net, **kwargs):
+        self.params_ = []
 
     def on_epoch_end(self, net, **kwargs):
-        done = len(net.history)
-        bar = '#' * (20 * done // self.total)
-        sys.stderr.write('\r{:<12} [{:<20}] epoch {}/{}'.format(
-            self.label, bar, done, self.total))
-        if done == self.total:
-            sys.stderr.write('\n')
-        sys.stderr.flush()
+        self.params_.append({key: value.detach().clone() for key, value
+                             in net.module_.state_dict().items()})
 
 
 def positive_int(text):
@@ -126,9 +125,59 @@ def parse_args(argv=None):
                         help='micro-batches per optimizer step (default: 8)')
     parser.add_argument('--epochs', type=positive_int, default=5,
                         help='training epochs (default: 5)')
+    parser.add_argument('--repeats', type=positive_int, default=3,
+                        help='timed fits of each run; the table reports the '
+                             'median time (default: 3)')
     parser.add_argument('--plot', metavar='PATH', default=None,
-                        help='save the loss curves as a PNG image to PATH')
-    return parser.parse_args(argv)
+                        help='save the loss curves and each run\'s parameter '
+                             'distance from the large batch to PATH; the '
+                             'format follows the extension (PNG if none)')
+    args = parser.parse_args(argv)
+    if args.plot is not None:
+        args.plot = check_plot_path(parser, args.plot)
+    return args
+
+
+def check_plot_path(parser, text):
+    """Return the path that ``--plot`` will write; refuse a bad one.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+      Its ``error`` method refuses a bad path: a one-line message and exit
+      status 2, before any training starts.
+    text : str
+      The ``--plot`` argument. Without an extension, the figure is a PNG
+      and ``.png`` is added to the path, as matplotlib does.
+
+    Returns
+    -------
+    pathlib.Path
+      The file that the figure will be written to.
+
+    """
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        parser.error('--plot needs matplotlib: python -m pip install '
+                     'matplotlib')
+
+    path = Path(text)
+    if not path.suffix:
+        path = path.with_name(path.name + '.png')
+    if Path(text).is_dir() or path.is_dir():
+        parser.error('--plot: {} is a directory; give a file name, such as '
+                     '{}'.format(text, Path(text) / 'curves.png'))
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        parser.error('--plot: unsupported file type {!r}; use one of {}'.format(
+            path.suffix, ', '.join('.' + ext for ext in sorted(formats))))
+    parent = path.parent
+    if not parent.is_dir():
+        parser.error('--plot: directory {} does not exist'.format(parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        parser.error('--plot: directory {} is not writable'.format(parent))
+    return path
 
 
 def load_data():
@@ -136,20 +185,49 @@ def load_data():
     return StandardScaler().fit_transform(X).astype(np.float64), y
 
 
-def train(label, net, X, y):
-    """Fit ``net`` from seed 0; measure time and peak activation memory."""
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    with track_activation_memory() as memory:
-        net.fit(X, y)
-    seconds = time.perf_counter() - start
+def train(label, net, X, y, repeats=1):
+    """Fit ``net`` from seed 0 ``repeats`` times; report the median time.
+
+    Every fit starts from the same seed and gives the same net; timing
+    several and taking the median keeps a slow outlier (a one-time cost, a
+    busy machine) out of the ``seconds`` column.
+
+    Parameters
+    ----------
+    label : str
+      The run's name in the table and the figure.
+    net : skorch.NeuralNet
+      The net, with a :class:`ParamTrace` callback named ``'trace'``.
+    X, y : numpy.ndarray
+      The training data.
+    repeats : int
+      How many fits to time.
+
+    Returns
+    -------
+    dict
+      The fitted net, the time of each fit (``times``) and their median
+      (``seconds``), the peak activation memory, the losses, the last
+      validation accuracy and the parameters after each epoch.
+
+    """
+    sys.stderr.write('{}: {} fit(s)\n'.format(label, repeats))
+    times = []
+    for _ in range(repeats):
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        with track_activation_memory() as memory:
+            net.fit(X, y)
+        times.append(time.perf_counter() - start)
     return {
         'label': label,
         'net': net,
-        'seconds': seconds,
+        'times': times,
+        'seconds': statistics.median(times),
         'peak_kib': memory.peak_bytes / 2 ** 10,
         'train_loss': net.history[:, 'train_loss'],
         'valid_acc': net.history[-1, 'valid_acc'],
+        'params': dict(net.callbacks_)['trace'].params_,
     }
 
 
@@ -180,9 +258,33 @@ def run(args, X, y):
                         verbose=0).fit(X[:64], y[:64])
     results = []
     for label, net in runs:
-        net.set_params(callbacks=[Progress(label, args.epochs)])
-        results.append(train(label, net, X, y))
+        # the package's bar counts optimizer steps: the accumulated run's
+        # bar is as long as the large batch's; the naive run's is not a
+        # GradAcc net, so its bar counts micro-batches
+        net.set_params(callbacks=[('trace', ParamTrace()),
+                                  ('progress', GradAccProgressBar())])
+        results.append(train(label, net, X, y, repeats=args.repeats))
     return results
+
+
+def param_distances(result, reference):
+    """Return the max absolute parameter difference per epoch.
+
+    Parameters
+    ----------
+    result, reference : dict
+      Two runs, as :func:`train` returns them.
+
+    Returns
+    -------
+    list of float
+      For each epoch, the largest absolute difference between a parameter
+      of ``result`` and the same parameter of ``reference``.
+
+    """
+    return [max((value - ref[key]).abs().max().item()
+                for key, value in params.items())
+            for params, ref in zip(result['params'], reference['params'])]
 
 
 def format_table(results, args):
@@ -205,6 +307,8 @@ def format_table(results, args):
     lines.append('')
     lines.append('act. KiB: peak memory of the tensors saved for backward '
                  '(activations), measured.')
+    lines.append('seconds: median wall time of {} fit(s) of each run, after '
+                 'a warm-up fit (--repeats).'.format(args.repeats))
     return '\n'.join(lines)
 
 
@@ -220,26 +324,88 @@ def verdict(results):
             'batch by {:.1e} (> {:.0e}).'.format(diff, TOLERANCE))
 
 
-def save_plot(results, path):
+def plot(results):
+    """Draw the loss curves beside the parameter distances; return the figure.
+
+    The loss curves of the three runs lie close together; the distance of
+    each run's parameters from the large-batch run's, per epoch and on a
+    log scale, shows how far each really is. A distance of exactly zero
+    cannot be drawn on a log scale and is marked at the bottom of the
+    axis instead.
+
+    Parameters
+    ----------
+    results : list of dict
+      The large-batch, accumulated and naive runs, as :func:`train` returns
+      them, the large batch first.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+      The loss curves (left) and the parameter distances (right).
+
+    """
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    styles = {'large batch': dict(lw=4, alpha=0.4),
-              'accumulated': dict(ls='--', marker='o'),
-              'naive / k': dict(ls=':', marker='x')}
+    fig, (ax_loss, ax_dist) = plt.subplots(1, 2, figsize=(10, 4))
+    styles = {'large batch': dict(lw=4, alpha=0.4, color='C0'),
+              'accumulated': dict(ls='--', marker='o', color='C1'),
+              'naive / k': dict(ls=':', marker='x', color='C2')}
+    epochs = np.arange(1, len(results[0]['train_loss']) + 1)
     for result in results:
-        epochs = np.arange(1, len(result['train_loss']) + 1)
-        ax.plot(epochs, result['train_loss'], label=result['label'],
-                **styles[result['label']])
-    ax.set_xlabel('epoch')
-    ax.set_ylabel('train loss')
-    ax.set_title('Accumulated training lies on the large-batch curve')
-    ax.legend()
+        ax_loss.plot(epochs, result['train_loss'], label=result['label'],
+                     **styles[result['label']])
+    ax_loss.set_ylabel('train loss')
+    ax_loss.set_title('Loss curves (nearly on top of one another)')
+
+    reference = results[0]
+    distances = {result['label']: param_distances(result, reference)
+                 for result in results[1:]}
+    drawn = [d for values in distances.values() for d in values if d > 0]
+    floor = min(drawn) / 10 if drawn else 1e-17
+    for label, values in distances.items():
+        ax_dist.plot(epochs, [max(d, floor) for d in values], label=label,
+                     **styles[label])
+    ax_dist.set_yscale('log')
+    ax_dist.set_ylabel('max |parameter - large batch|')
+    ax_dist.set_title('Distance from the large-batch run')
+    if any(d == 0 for values in distances.values() for d in values):
+        ax_dist.axhline(floor, color='gray', lw=0.5)
+        ax_dist.annotate('0 (identical)', (epochs[0], floor), fontsize=8,
+                         va='bottom')
+    for ax in (ax_loss, ax_dist):
+        ax.set_xlabel('epoch')
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend()
+    fig.suptitle('Largest parameter difference from the large batch after '
+                 '{} epochs:\naccumulated {:.1e}, naive / k {:.1e}'.format(
+                     len(epochs), distances['accumulated'][-1],
+                     distances['naive / k'][-1]))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def save_plot(results, path):
+    """Save :func:`plot`'s figure of ``results`` to ``path``.
+
+    Parameters
+    ----------
+    results : list of dict
+      The three runs, as for :func:`plot`.
+    path : str or pathlib.Path
+      Where to write the figure; the extension gives the format.
+
+    """
+    import matplotlib.pyplot as plt
+
+    fig = plot(results)
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None):
@@ -257,7 +423,7 @@ def main(argv=None):
             print('error: cannot write the plot to {!r}: {}'.format(
                 args.plot, exc.strerror), file=sys.stderr)
             return 2
-        print('Loss curves saved to {}'.format(args.plot))
+        print('Figure saved to {}'.format(args.plot))
     return 0 if max_param_diff(results[1]['net'], results[0]['net']) <= (
         TOLERANCE) else 1
 

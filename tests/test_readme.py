@@ -1,9 +1,23 @@
-"""The README's Python example runs as it stands, so a newcomer can copy it."""
+"""The README's example and commands work as they stand, so a newcomer can
+copy them."""
 
+import json
+import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-README = Path(__file__).parent.parent / 'README.md'
+import pytest
+
+ROOT = Path(__file__).parent.parent
+README = ROOT / 'README.md'
+DOCS = ROOT / 'docs'
+PYPROJECT = ROOT / 'pyproject.toml'
+RUN_REQUIREMENTS = ROOT / 'requirements' / 'run.txt'
+CPU_INDEX = 'https://download.pytorch.org/whl/cpu'
 
 
 def test_readme_example_runs(capsys):
@@ -14,3 +28,44 @@ def test_readme_example_runs(capsys):
         exec(compile(block, str(README), 'exec'), namespace)
     assert namespace['search'].best_params_['net__acc_steps'] in (1, 4, 8)
     assert "{'net__acc_steps':" in capsys.readouterr().out
+
+
+def test_cpu_only_torch_command_matches_the_pin():
+    # the pin is a version; the CPU-only build needs PyTorch's CPU index
+    pin = re.search(r'^torch==(\S+)$', RUN_REQUIREMENTS.read_text(), re.M)
+    for path in (README, DOCS / 'installation.rst', RUN_REQUIREMENTS):
+        commands = re.findall(
+            r'python -m pip install torch==(\S+) --index-url (\S+)\n',
+            path.read_text())
+        assert commands == [(pin.group(1), CPU_INDEX)], path
+        assert 'CPU build of torch' not in ' '.join(path.read_text().split())
+
+
+def test_no_project_url_of_another_project():
+    # skorch's repository is not this project's source
+    assert 'github.com/skorch-dev/skorch' not in PYPROJECT.read_text()
+
+
+@pytest.mark.timeout(900)
+def test_notebook_command_runs(tmp_path):
+    # the README's command, on a copy of the notebook, in the test
+    # environment; --inplace writes the outputs into the copy
+    command = re.search(r'```bash\n(jupyter execute .*?)\n```',
+                        README.read_text()).group(1)
+    notebook = Path(shlex.split(command)[-1])
+    (tmp_path / notebook.parent).mkdir(parents=True)
+    shutil.copy(ROOT / notebook, tmp_path / notebook)
+    bin_dir = str(Path(sys.executable).parent)  # jupyter, as when activated
+    env = dict(os.environ, OMP_NUM_THREADS='1', MPLBACKEND='agg',
+               PATH=os.pathsep.join([bin_dir, os.environ.get('PATH', '')]),
+               PYTHONPATH=os.pathsep.join(
+                   filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
+    proc = subprocess.run(shlex.split(command), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cells = [cell for cell in json.loads((tmp_path / notebook).read_text())[
+        'cells'] if cell['cell_type'] == 'code']
+    assert [cell['execution_count'] for cell in cells] == list(
+        range(1, len(cells) + 1))
+    assert not any(output['output_type'] == 'error'
+                   for cell in cells for output in cell['outputs'])

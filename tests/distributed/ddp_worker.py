@@ -104,6 +104,9 @@ def main(out_dir, scenario):
                              for row in net.history[:, 'batches'][0]
                              + net.history[:, 'batches'][1]),
     }, Path(out_dir) / 'rank{}.pt'.format(rank))
+    # wait for every rank's pending work, the hook's callbacks included,
+    # before exit (docs/scaling_out.rst)
+    dist.barrier()
     dist.destroy_process_group()
 
 
