@@ -108,9 +108,11 @@ class GradAccMixin(StepDecisionMixin):
       the net starts with whole micro-batches and, on an out-of-memory
       error, frees what the attempt held, restores the modules' buffers
       (e.g. BatchNorm's running statistics), halves the pieces and replays
-      the group, so the update equals the one without the error. To replay
-      it, the net keeps the current group's micro-batches as the iterator
-      yielded them until its step is done. The size that worked is kept in
+      the group, so the update equals the one without the error (not
+      restored: the random number generator's state, e.g. dropout draws
+      made before the error, and attributes a module sets on itself). To
+      replay it, the net keeps the current group's micro-batches as the
+      iterator yielded them until its step is done. The size that worked is kept in
       ``micro_batch_size_``. The sizes a batch backed off to are listed in
       its history row as ``micro_batch_size_backoff``; every epoch's row
       holds the ``micro_batch_size`` in use at its end (0 while whole
