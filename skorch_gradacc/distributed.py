@@ -160,6 +160,21 @@ class DistributedGradAccMixin:
             drop_last=iterator.drop_last, collate_fn=iterator.collate_fn,
             num_workers=iterator.num_workers, pin_memory=iterator.pin_memory)
 
+    def on_train_end(self, net, X=None, y=None, **kwargs):
+        """Wait for every rank's pending communication before ``fit`` returns.
+
+        The all-reduce hook's future completes on one of gloo's worker
+        threads, which frees the hook's Python callback a moment after the
+        step has moved on. A process that exits in that moment aborts with
+        ``terminate called without an active exception``: the thread cannot
+        take the GIL of an interpreter that is shutting down. A barrier waits
+        for all earlier work of the process group, callbacks included, so a
+        script may exit right after ``fit``.
+        """
+        super().on_train_end(net, X=X, y=y, **kwargs)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
     def run_single_epoch(self, iterator, training, prefix, step_fn,
                          **fit_params):
         """Run the epoch; a shuffling sampler draws a new order each epoch."""

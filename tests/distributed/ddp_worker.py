@@ -104,9 +104,8 @@ def main(out_dir, scenario):
                              for row in net.history[:, 'batches'][0]
                              + net.history[:, 'batches'][1]),
     }, Path(out_dir) / 'rank{}.pt'.format(rank))
-    # wait for every rank's pending work, the hook's callbacks included,
-    # before exit (docs/scaling_out.rst)
-    dist.barrier()
+    # fit ended with a barrier (DistributedGradAccMixin.on_train_end): no
+    # hook callback is pending when the process exits
     dist.destroy_process_group()
 
 

@@ -8,9 +8,9 @@ freed there. That release waits until the hook is called again, or for
 here after each epoch's). On a busy machine the thread can be descheduled
 for a while at that point; a rank that exits meanwhile aborts with
 ``terminate called without an active exception``, since the thread cannot
-take the GIL of an interpreter that is shutting down. A script that waits
-for its process group's work before it exits (``dist.barrier()`` before
-``dist.destroy_process_group()``) passes; this makes the race certain.
+take the GIL of an interpreter that is shutting down. A script whose
+process group's work is done before it exits (DistributedGradAccMixin's
+barrier at the end of ``fit``) passes; this makes the race certain.
 """
 
 import os
