@@ -152,7 +152,7 @@ def _sci(value):
 def _md_overhead(overhead):
     out = ['## 1. Overhead: time per epoch', '',
            'Median [min-max] over interleaved rounds. Ratios are taken within '
-           'each round, then summarised. CPU time is the process\'s own '
+           'each round, then summarized. CPU time is the process\'s own '
            '(`time.process_time`), which other processes on the machine '
            'disturb less than wall time; wall-time ratios are given too. '
            'Training only (`train_split=None`), shuffled, SGD with momentum.',

@@ -4,7 +4,7 @@ On a shared, noisy machine, timing one contender after the other compares
 the machine's moods as much as the contenders. Here every round runs each
 contender once, in an order rotated from round to round, and ratios are
 taken within a round: a slow phase of the machine slows both sides of a
-ratio. Medians with min and max summarise the rounds.
+ratio. Medians with min and max summarize the rounds.
 """
 
 import gc
@@ -44,7 +44,7 @@ def interleave(contenders, rounds, warmup=1):
 
     warmup : int (default=1)
       Untimed rounds before, which pay one-time costs (allocator growth,
-      lazy initialisation, first-call dispatch).
+      lazy initialization, first-call dispatch).
 
     Returns
     -------

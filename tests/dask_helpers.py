@@ -33,7 +33,7 @@ class MLP(torch.nn.Module):
 class SeededNet(GradAccNeuralNetClassifier):
     """Seeds torch at the start of every fit.
 
-    Initialisation and the shuffling of the training data then depend only
+    Initialization and the shuffling of the training data then depend only
     on the hyper-parameters, not on what the process ran before, so a search
     gives the same scores on any worker as in a serial run.
     """

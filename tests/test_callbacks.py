@@ -1,5 +1,5 @@
 """Invariant 3: callbacks see one batch per optimizer step, with the whole,
-normalised gradient, and so behave as on the large-batch net."""
+normalized gradient, and so behave as on the large-batch net."""
 
 import numpy as np
 import pytest

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from skorch import NeuralNet, NeuralNetClassifier
-from test_normalisation import IGNORE, TokenTagger, token_data
+from test_normalization import IGNORE, TokenTagger, token_data
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
@@ -70,7 +70,7 @@ def test_samples_match_single_process_with_one_allreduce_per_step(tmp_path):
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)
-def test_uneven_item_counts_are_normalised_globally(tmp_path):
+def test_uneven_item_counts_are_normalized_globally(tmp_path):
     # token counts differ between ranks in every group; averaging the ranks'
     # means (DDP's default) would not give the large batch's mean
     ranks = run_ranks(tmp_path, 'tokens')

@@ -18,7 +18,7 @@ TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 
 from skorch import NeuralNetClassifier  # noqa: E402
-from test_normalisation import IGNORE, TokenTagger, token_data  # noqa: E402
+from test_normalization import IGNORE, TokenTagger, token_data  # noqa: E402
 
 from skorch_gradacc import (  # noqa: E402
     GradAccMixin,

@@ -1,4 +1,4 @@
-"""Normalisation: each group is weighted by what it really contains."""
+"""Normalization: each group is weighted by what it really contains."""
 
 import numpy as np
 import pytest
@@ -115,7 +115,7 @@ class CountMicroBatches(GradAccNeuralNetClassifier):
         return 1
 
 
-class TestNaiveNormalisationIsDetected:
+class TestNaiveNormalizationIsDetected:
     @pytest.mark.parametrize('n_samples, exact', [(128, True), (203, False)])
     def test_dividing_by_micro_batches(self, n_samples, exact):
         X, y = classification_data(n_samples)
