@@ -52,8 +52,10 @@ def register_comm_hook(self, state, hook):
 
 
 original_register_comm_hook = DistributedDataParallel.register_comm_hook
-DistributedDataParallel.register_comm_hook = register_comm_hook
 
 if __name__ == '__main__':
+    # only when run as the script: pytest imports this module to collect
+    # doctests, and DDP must stay unpatched there
+    DistributedDataParallel.register_comm_hook = register_comm_hook
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name='__main__')
