@@ -68,13 +68,25 @@ class GradientSync:
 
 
 def _scaled_allreduce_hook(state, bucket):
-    """Multiply this rank's bucket by ``state.factor``, then sum over ranks."""
+    """Multiply this rank's bucket by ``state.factor``, then sum over ranks.
+
+    The all-reduce runs in the calling thread and the hook returns a future
+    that is already complete. A Python callback chained to an asynchronous
+    all-reduce (``future.then(...)``) would run, and be freed, on one of
+    gloo's worker threads a moment after the step has moved on; a process
+    that exits in that moment aborts with ``terminate called without an
+    active exception``, as the thread cannot take the GIL of an interpreter
+    that is shutting down. With NCCL the call still returns at once: the
+    all-reduce is ordered on the device's stream.
+    """
     tensor = bucket.buffer()
     tensor.mul_(state.factor)
     state.allreduces += 1
-    future = dist.all_reduce(
-        tensor, group=state.process_group, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0])
+    dist.all_reduce(tensor, group=state.process_group)
+    future = torch.futures.Future(
+        devices=[tensor.device] if tensor.is_cuda else None)
+    future.set_result(tensor)
+    return future
 
 
 def gradient_sync(net):
@@ -159,21 +171,6 @@ class DistributedGradAccMixin:
             iterator.dataset, batch_size=iterator.batch_size, sampler=sampler,
             drop_last=iterator.drop_last, collate_fn=iterator.collate_fn,
             num_workers=iterator.num_workers, pin_memory=iterator.pin_memory)
-
-    def on_train_end(self, net, X=None, y=None, **kwargs):
-        """Wait for every rank's pending communication before ``fit`` returns.
-
-        The all-reduce hook's future completes on one of gloo's worker
-        threads, which frees the hook's Python callback a moment after the
-        step has moved on. A process that exits in that moment aborts with
-        ``terminate called without an active exception``: the thread cannot
-        take the GIL of an interpreter that is shutting down. A barrier waits
-        for all earlier work of the process group, callbacks included, so a
-        script may exit right after ``fit``.
-        """
-        super().on_train_end(net, X=X, y=y, **kwargs)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
 
     def run_single_epoch(self, iterator, training, prefix, step_fn,
                          **fit_params):

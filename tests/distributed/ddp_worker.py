@@ -104,8 +104,8 @@ def main(out_dir, scenario):
                              for row in net.history[:, 'batches'][0]
                              + net.history[:, 'batches'][1]),
     }, Path(out_dir) / 'rank{}.pt'.format(rank))
-    # fit ended with a barrier (DistributedGradAccMixin.on_train_end): no
-    # hook callback is pending when the process exits
+    # the comm hook runs no Python code on gloo's threads: nothing is left
+    # to free there when the process exits
     dist.destroy_process_group()
 
 
