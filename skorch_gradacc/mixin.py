@@ -295,16 +295,6 @@ class GradAccMixin(StepDecisionMixin):
 
     # Batch sizes and acc_steps in force
 
-    def get_train_batch_size(self):
-        """Return the batch size of the training iterator.
-
-        That is ``iterator_train__batch_size`` if set, else ``batch_size``;
-        ``-1`` stands for the whole training set.
-
-        """
-        kwargs = self.get_params_for('iterator_train')
-        return kwargs.get('batch_size', self.batch_size)
-
     def get_micro_batch_size(self):
         """Return the most rows that go through the module at once in training.
 
