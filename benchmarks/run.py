@@ -2,7 +2,7 @@
 
 Usage, from the repository root::
 
-    python -m benchmarks.run --out benchmarks/results
+    python -m benchmarks.run --out benchmark_results
 
 ``--quick`` runs everything at tiny sizes in well under a minute (a smoke
 test, not a measurement); ``--sections`` runs only some sections. The full
@@ -128,9 +128,9 @@ def parse_args(argv=None):
             "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
             'overhead, memory, exactness and scaling.'))
     parser.add_argument(
-        '--out', default='benchmarks/results', metavar='DIR',
-        help='folder for benchmarks.json, .md and .png '
-             '(default: benchmarks/results)')
+        '--out', default='benchmark_results', metavar='DIR',
+        help='folder for benchmarks.json, .md and .png (default: '
+             'benchmark_results; the committed run is in benchmarks/results)')
     parser.add_argument(
         '--quick', action='store_true',
         help='tiny sizes: a smoke run of the whole suite, no real numbers')
