@@ -1,9 +1,9 @@
 """The building blocks of the recipe in ``fine_tuning_transformers.rst``.
 
-Between the two marker comments below is the code of the page's first
-sections, verbatim; ``tests/test_transformers_recipe.py`` checks that they
-are the same, so that the notebook ``notebooks/Fine_Tuning_Transformers.ipynb``
-and the tests use exactly the code that a reader copies from the page.
+The page shows the code between the two marker comments below with
+``literalinclude``, and its code blocks import it; so do the notebook
+``notebooks/Fine_Tuning_Transformers.ipynb`` and
+``tests/test_transformers_recipe.py``.
 
 After the second marker come the measurements that the notebook plots and
 the tests assert: padding waste, and the peak memory of ``fit``, measured in
