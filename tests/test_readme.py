@@ -33,12 +33,44 @@ def test_readme_example_runs(capsys):
 def test_cpu_only_torch_command_matches_the_pin():
     # the pin is a version; the CPU-only build needs PyTorch's CPU index
     pin = re.search(r'^torch==(\S+)$', RUN_REQUIREMENTS.read_text(), re.M)
-    for path in (README, DOCS / 'installation.rst', RUN_REQUIREMENTS):
+    for path in (README, DOCS / 'installation.rst'):
         commands = re.findall(
             r'python -m pip install torch==(\S+) --index-url (\S+)\n',
             path.read_text())
         assert commands == [(pin.group(1), CPU_INDEX)], path
         assert 'CPU build of torch' not in ' '.join(path.read_text().split())
+
+
+TEST_COMMAND = ('python -m pip install -r requirements/test.txt -e . '
+                '&& python -m pytest')
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = README.read_text()
+    ci = (ROOT / '.ci' / 'run').read_text()
+    assert '\n' + TEST_COMMAND + '\n' in ci
+    assert '```bash\n' + TEST_COMMAND + '\n```' in readme
+    assert '\n' + TEST_COMMAND + '\n' in (
+        DOCS / 'installation.rst').read_text().replace('   ', '')
+    # a newcomer installs the CPU-only torch before the test requirements
+    assert readme.index('--index-url ' + CPU_INDEX) < readme.index(TEST_COMMAND)
+
+
+def test_benchmark_commands_keep_the_committed_results():
+    from benchmarks import run
+    assert run.parse_args([]).out != 'benchmarks/results'
+    for path in (README, DOCS / 'benchmarks.rst'):
+        commands = re.findall(r'^ *(python -m benchmarks\.\S+ .*)$',
+                              path.read_text(), re.M)
+        assert len(commands) == 2, path
+        for command in commands:
+            assert '--out benchmark_results' in command, command
+
+
+def test_license_file_is_bsd_3_clause():
+    license_text = (ROOT / 'LICENSE').read_text()
+    assert license_text.startswith('BSD 3-Clause License')
+    assert 'license = "BSD-3-Clause"' in PYPROJECT.read_text()
 
 
 def test_no_project_url_of_another_project():
