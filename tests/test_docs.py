@@ -358,3 +358,37 @@ def test_allreduces_per_step_are_as_documented(tmp_path, monkeypatch):
     assert sizes.count(1) == steps  # the group's item count, one number
     assert sizes.count(10 * 2 + 2) == steps  # the gradient bucket
     assert len(sizes) == 2 * steps
+
+
+def test_how_it_works_lists_every_method_the_mixin_overrides():
+    """how_it_works.rst names each NeuralNet method that GradAccMixin (or a
+    class it derives from) overrides, and no other."""
+    from skorch import NeuralNet
+
+    from skorch_gradacc import GradAccMixin
+
+    text = ' '.join((DOCS / 'how_it_works.rst').read_text().split())
+    paragraph = text.split("Of skorch's ``NeuralNet`` methods, the mixin "
+                           "overrides")[1].split('Your own overrides')[0]
+    listed = set(re.findall(r'``(\w+)``', paragraph)) - {
+        'micro_batch_size', 'acc_steps'}
+    overridden = {
+        name for cls in GradAccMixin.__mro__ if cls is not object
+        for name in vars(cls)
+        if name not in ('__init__', '__init_subclass__', '__doc__',
+                        '__module__', '__dict__', '__weakref__')
+        and hasattr(NeuralNet, name)}
+    assert listed == overridden
+
+
+def test_history_table_lists_every_key_the_package_records():
+    """how_it_works.rst's table holds every history key the code writes."""
+    source = ' '.join(
+        path.read_text() for path in (DOCS.parent / 'skorch_gradacc').glob(
+            '*.py'))
+    recorded = set(re.findall(
+        r"(?:\.record|\.record_batch)\(\s*'(\w+)'|row\['(\w+)'\]\s*=", source))
+    recorded = {name for pair in recorded for name in pair if name}
+    table = (DOCS / 'how_it_works.rst').read_text().split('\nHistory\n')[1]
+    listed = set(re.findall(r'^``(\w+)``\s+(?:epoch|batch)\b', table, re.M))
+    assert recorded and listed == recorded
