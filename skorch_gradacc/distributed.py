@@ -117,9 +117,9 @@ class DistributedGradAccMixin:
     * the training iterator gets a :class:`~torch.utils.data.
       DistributedSampler`, so each rank trains on its share of every group
       (shuffled per epoch if ``iterator_train__shuffle=True``);
-    * all micro-batches of a group but the last run under ``no_sync()``: one
-      all-reduce per optimizer step, also for the partial group at the end
-      of an epoch;
+    * all micro-batches of a group but the last run under ``no_sync()``: per
+      optimizer step, one gradient all-reduce per DDP bucket, also for the
+      partial group at the end of an epoch;
     * the all-reduce sums each rank's gradient weighted by its share of the
       group's items counted over all ranks (one more all-reduce of a single
       number per step), so the update is the single-process update with
