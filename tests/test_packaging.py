@@ -102,6 +102,25 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
     assert name == 'GradAccNeuralNetClassifier'
 
 
+def test_test_extra_names_every_pinned_requirement():
+    """``pip install -e .[test]`` gets every package that CI pins."""
+    tomllib = pytest.importorskip('tomllib')
+    project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+    extras = project['optional-dependencies']
+
+    def name(requirement):
+        return re.split(r'[\s<>=!~;\[]', requirement, maxsplit=1)[0].lower()
+
+    pinned = {name(line) for path in (ROOT / 'requirements').glob('*.txt')
+              for line in path.read_text().splitlines()
+              if line.strip() and not line.startswith(('#', '-r'))}
+    offered = {name(req) for req in project['dependencies'] + extras['test']}
+    offered |= {name(req) for extra in ('demo', 'docs')
+                for req in extras[extra]}
+    assert 'skorch-gradacc[demo,docs]' in extras['test']
+    assert pinned and pinned <= offered, pinned - offered
+
+
 def test_version_follows_pep_440():
     # the canonical public version scheme of PEP 440, without a local part
     pattern = (r'([1-9][0-9]*!)?(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*'
