@@ -180,3 +180,6 @@ class DistributedGradAccMixin:
             sampler.set_epoch(len(self.history))
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
+
+
+from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin  # noqa: E402,F401,I001 (FSDP2: its own module)

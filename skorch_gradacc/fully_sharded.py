@@ -1,0 +1,546 @@
+"""Fully sharded data-parallel training (FSDP2) of GradAcc nets.
+
+:class:`FullyShardedGradAccMixin` shards the module's parameters, gradients
+and optimizer state over the ranks with PyTorch's
+:func:`torch.distributed.fsdp.fully_shard`, for models that do not fit one
+device together with their gradients and optimizer state. In one place
+each:
+
+* which submodules become FSDP units: :func:`shard_module`;
+* the step's micro-batches, their reduce-scatters and the normalization by
+  the global item count:
+  :meth:`FullyShardedGradAccMixin._accumulate_gradients`;
+* one full, unsharded checkpoint, written by rank 0:
+  :meth:`FullyShardedGradAccMixin.save_params` and
+  :meth:`FullyShardedGradAccMixin.load_params`.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from skorch.utils import _check_f_arguments, multi_indexing
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from skorch_gradacc.batching import concat_outputs, detach_outputs
+
+__all__ = ['FullyShardedGradAccMixin', 'shard_module']
+
+#: Classes that are FSDP units by default, wherever they are in the module.
+TRANSFORMER_BLOCKS = (torch.nn.TransformerEncoderLayer,
+                      torch.nn.TransformerDecoderLayer)
+
+
+class _MicroBatchShard:
+    """Interim: micro-batches ``rank, rank + W, ...`` of an iterator.
+
+    Every rank yields ``ceil(M / W)`` micro-batches; a rank whose share is
+    shorter yields a zero-row slice of its last micro-batch instead.
+    """
+
+    def __init__(self, iterator, rank, world_size):
+        self.iterator = iterator
+        self.rank = rank
+        self.world_size = world_size
+
+    def __len__(self):
+        return -(-len(self.iterator) // self.world_size)
+
+    def __iter__(self):
+        last, yielded = None, 0
+        for index, micro in enumerate(self.iterator):
+            if index % self.world_size == self.rank:
+                last = micro
+                yielded += 1
+                yield micro
+        if yielded < len(self):
+            yield _zero_rows(last)
+
+
+def _zero_rows(batch):
+    rows = slice(0, 0)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(None if data is None else multi_indexing(data, rows)
+                           for data in batch)
+    return multi_indexing(batch, rows)
+
+
+def shard_micro_batches(iterator, rank, world_size):
+    return _MicroBatchShard(iterator, rank, world_size)
+
+
+def _matches(module, shard_classes):
+    return any(isinstance(module, cls) if isinstance(cls, type)
+               else type(module).__name__ == cls for cls in shard_classes)
+
+
+def _has_params(module):
+    return next(module.parameters(), None) is not None
+
+
+def default_shard_classes(module):
+    """Return the classes whose instances :func:`shard_module` shards.
+
+    The block classes a Hugging Face model names in ``_no_split_modules``
+    (as Accelerate's transformer auto-wrap policy reads them), and
+    PyTorch's :class:`~torch.nn.TransformerEncoderLayer` and
+    :class:`~torch.nn.TransformerDecoderLayer`.
+    """
+    names = set()
+    for sub in module.modules():
+        names.update(getattr(sub, '_no_split_modules', None) or ())
+    return TRANSFORMER_BLOCKS + tuple(sorted(names))
+
+
+def units_of(module, shard_classes=None):
+    """Return the submodules of ``module`` that become FSDP units.
+
+    With ``shard_classes`` given (classes or class names), every outermost
+    submodule of one of them. Otherwise the transformer blocks of
+    :func:`default_shard_classes`, if the module has any, else every member
+    holding parameters of a :class:`torch.nn.Sequential` or
+    :class:`torch.nn.ModuleList` (each layer of a plain ``Sequential``),
+    outermost first. The root is not included.
+    """
+    explicit = shard_classes is not None
+    classes = tuple(shard_classes) if explicit else default_shard_classes(module)
+    units = []
+
+    def visit(parent, containers):
+        for child in parent.children():
+            if _matches(child, classes) or (
+                    containers and isinstance(parent, (torch.nn.Sequential,
+                                                       torch.nn.ModuleList))
+                    and _has_params(child)):
+                units.append(child)
+            else:
+                visit(child, containers)
+
+    visit(module, containers=False)
+    if not units and not explicit:
+        visit(module, containers=True)
+    return units
+
+
+def shard_module(module, shard_classes=None, **kwargs):
+    """Apply :func:`~torch.distributed.fsdp.fully_shard` to a module, in place.
+
+    Each unit of :func:`units_of` is sharded first, then the root, so that
+    one unit's parameters are gathered at a time in the forward and
+    backward passes. Every FSDP module gets a gradient divide factor of 1
+    and sum-only reductions: the reduce-scatter sums the ranks' gradients
+    (the divide factor of the root does not reach the inner units, and
+    ``ReduceOp.PREMUL_SUM`` is refused by gloo).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+      The module, on the device of the mesh.
+
+    shard_classes : sequence of classes or class names, or None
+      See :func:`units_of`.
+
+    **kwargs
+      Passed on to ``fully_shard`` (``mesh``, ``mp_policy``, ...).
+
+    Returns
+    -------
+    module : torch.nn.Module
+      The same object, now an ``FSDPModule``.
+
+    """
+    for unit in units_of(module, shard_classes):
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+class FullyShardedGradAccMixin:
+    """Mixin that trains a GradAcc net with fully sharded data parallel.
+
+    Put it in front of a GradAcc net, e.g. ``class
+    FSDPNet(FullyShardedGradAccMixin, GradAccNeuralNetClassifier)``, start
+    one process per rank with ``torchrun`` and call
+    :func:`torch.distributed.init_process_group` before ``fit``. Use it
+    instead of :class:`~skorch_gradacc.DistributedGradAccMixin` when the
+    model, its gradients and its optimizer state do not fit on one device:
+    each rank holds ``1 / world_size`` of each, and gathers one unit's
+    parameters at a time for the forward and backward passes.
+
+    * The module is sharded in place with
+      :func:`torch.distributed.fsdp.fully_shard`: each unit (see
+      ``shard_classes``), then the root. The optimizer is built on the
+      sharded parameters.
+    * The training iterator is the user's own, sharded by micro-batch:
+      rank ``r`` takes micro-batches ``r, r + W, r + 2W, ...``
+      (:func:`~skorch_gradacc.sharding.shard_micro_batches`). So ``W``
+      ranks with ``acc_steps=k`` train like one process with
+      ``acc_steps=k * W`` on the same iterator. A rank with fewer
+      micro-batches in the last step runs a zero-row forward and backward
+      instead, which adds nothing.
+    * Each micro-batch's backward computes the gradient of its loss times
+      its item count (:meth:`count_loss_items`), the loss itself is
+      untouched; the reduce-scatter sums over the ranks. By default the
+      gradients stay unsharded and local until the group's last micro-batch
+      (``set_requires_gradient_sync(False)``), which reduce-scatters once
+      per step. After it, one all-reduce of two numbers (the group's item
+      count and loss sum over all ranks) gives the count ``C``, and each
+      rank divides its gradient shard by ``C``: the update is that of the
+      single process with ``batch_size * acc_steps * world_size``, and the
+      history's ``train_loss`` is the mean over all ranks.
+    * ``save_params`` and ``load_params``, called on every rank, write and
+      read one full, unsharded checkpoint, in the format of a plain net;
+      rank 0 writes.
+
+    Every forward pass gathers parameters from all ranks, so every rank must
+    take part in every forward pass: in training (the mixin sees to it), in
+    validation (every rank scores the whole validation set), and in
+    ``predict``, which must be called on every rank. Options that would let
+    the ranks run different numbers of forward passes (``micro_batch_size``)
+    or take different decisions about a step (``skip_nonfinite``) are
+    refused. Only the module (``module_``) is sharded; the optimizer must
+    hold its parameters only.
+
+    .. note::
+
+       Tested with 2 ranks on the CPU (gloo). GPUs (NCCL) are untested.
+
+    Parameters
+    ----------
+    shard_classes : sequence of classes or class names, or None (default=None)
+      The submodule classes whose instances each become an FSDP unit, e.g.
+      the transformer block. By default: the classes a Hugging Face model
+      names in ``_no_split_modules`` and PyTorch's transformer layers, or,
+      for a model without them, every member holding parameters of a
+      :class:`torch.nn.Sequential` or :class:`torch.nn.ModuleList` (the
+      layers of a plain ``Sequential``). The root is always sharded too.
+
+    sync_each_batch : bool (default=False)
+      If False, gradients are reduce-scattered once per optimizer step, on
+      the group's last micro-batch; until then each rank holds the
+      unsharded gradient. If True, every micro-batch's gradient is
+      reduce-scattered, so that only the shards accumulate: less memory,
+      ``acc_steps`` times the communication (Accelerate's
+      ``sync_each_batch``). Both give the same update.
+
+    The net's ``mixed_precision='bf16'`` becomes FSDP's
+    :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters are
+    gathered and used in bfloat16, gradients reduced and the sharded
+    parameters kept in float32, and no autocast is used.
+    ``mixed_precision='fp16'`` is refused.
+
+    Examples
+    --------
+    >>> from skorch_gradacc import GradAccNeuralNetClassifier
+    >>> class FSDPNet(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
+    ...     '''GradAcc classifier with FSDP2, to be run under torchrun'''
+    >>> net = FSDPNet(torch.nn.Linear, module__in_features=4,
+    ...               module__out_features=2, acc_steps=4,
+    ...               shard_classes=['Linear'])
+    >>> net.shard_classes
+    ['Linear']
+
+    """
+
+    def __init__(self, *args, shard_classes=None, sync_each_batch=False,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shard_classes = shard_classes
+        self.sync_each_batch = sync_each_batch
+
+    # Validation
+
+    def _check_fsdp_params(self):
+        if not isinstance(self.sync_each_batch, bool):
+            raise ValueError(
+                "sync_each_batch must be True or False, got {!r} instead."
+                .format(self.sync_each_batch))
+        classes = self.shard_classes
+        if classes is not None and (
+                isinstance(classes, (str, type)) or not all(
+                    isinstance(cls, (str, type)) for cls in classes)):
+            raise ValueError(
+                "shard_classes must be None or a list of module classes or "
+                "class names, got {!r} instead.".format(classes))
+        if self.micro_batch_size is not None:
+            raise ValueError(
+                "micro_batch_size must be None with FullyShardedGradAccMixin, "
+                "got {!r}: every rank must run the same forward passes."
+                .format(self.micro_batch_size))
+        if self.skip_nonfinite:
+            raise ValueError(
+                "skip_nonfinite must be False with FullyShardedGradAccMixin, "
+                "got True: each rank sees only its own gradient shard.")
+        if self.mixed_precision not in (None, 'bf16'):
+            raise ValueError(
+                "mixed_precision must be None or 'bf16' with "
+                "FullyShardedGradAccMixin, got {!r}: 'bf16' uses FSDP's "
+                "MixedPrecisionPolicy, and 'fp16' would need a sharded "
+                "GradScaler.".format(self.mixed_precision))
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "FullyShardedGradAccMixin needs the default process group: "
+                "start the script with torchrun and call "
+                "torch.distributed.init_process_group() before initializing "
+                "the net.")
+
+    def _validate_params(self):
+        super()._validate_params()
+        self._check_fsdp_params()
+
+    def check_training_readiness(self):
+        """Check that the net is ready to train, its FSDP options included."""
+        super().check_training_readiness()
+        if getattr(self, 'initialized_', False):
+            self._check_fsdp_params()
+
+    # Initialization
+
+    def _mesh(self):
+        device = torch.device(self.device) if self.device else torch.device('cpu')
+        if device.type == 'cuda':
+            torch.cuda.set_device(device)
+        return init_device_mesh(device.type, (dist.get_world_size(),))
+
+    def initialize_module(self):
+        """Initialize the module and shard it with ``fully_shard``."""
+        self._check_fsdp_params()
+        super().initialize_module()
+        if isinstance(self.module_, FSDPModule):
+            return self
+        device = self.device or 'cpu'
+        kwargs = {'mesh': self._mesh()}
+        if self.mixed_precision == 'bf16':
+            kwargs['mp_policy'] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.module_ = shard_module(self.module_.to(device),
+                                    self.shard_classes, **kwargs)
+        return self
+
+    def _autocast(self):
+        # mixed_precision='bf16' is FSDP's MixedPrecisionPolicy, not autocast
+        return contextlib.nullcontext()
+
+    # The training iterator, sharded by micro-batch
+
+    def get_iterator(self, dataset, training=False):
+        """Give each rank its micro-batches of the user's training iterator."""
+        iterator = super().get_iterator(dataset, training=training)
+        if not training:
+            return iterator
+        return shard_micro_batches(iterator, dist.get_rank(),
+                                   dist.get_world_size())
+
+    def _trains_in_groups(self):
+        return True  # also with acc_steps=1: the step's collectives are here
+
+    # The step
+
+    def _accumulate_gradients(self, group, **fit_params):
+        """Run the group's micro-batches; reduce-scatter; normalize globally.
+
+        ``.grad`` ends as this rank's shard of the gradient of the mean loss
+        over the group's items on all ranks. See the class docstring.
+        """
+        module = self.module_
+        keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
+        losses, y_preds = [], []
+        summed = None  # whether the loss is a sum (count_loss_items is None)
+        total = 0.0  # the group's item count on this rank
+        for piece, is_last in self._pieces(group):
+            count = self.count_loss_items(piece)
+            if summed is None:
+                summed = count is None
+            elif summed != (count is None):
+                raise ValueError(
+                    "count_loss_items returned None for some micro-batches "
+                    "but not for others; got {!r}.".format(count))
+            weight = 1.0 if summed else float(count)
+            total += weight
+            module.set_requires_gradient_sync(is_last or self.sync_each_batch)
+            self.loss_weight_, self.loss_weighted_ = weight, False
+            try:
+                step = self.train_step_single(piece, **fit_params)
+            finally:
+                self.loss_weight_ = None
+            if not self.loss_weighted_:
+                raise RuntimeError(
+                    "FullyShardedGradAccMixin weights each micro-batch's "
+                    "gradient in get_loss; an override of train_step_single "
+                    "must compute the loss with self.get_loss(..., "
+                    "training=True), and an override of get_loss must call "
+                    "super().get_loss.")
+            if weight:  # the loss of a zero-row micro-batch may be NaN
+                losses.append(weight * step['loss'].detach())
+            if keep_y_pred:
+                y_preds.append(detach_outputs(step['y_pred']))
+            del step, piece  # frees the piece's graph and outputs
+
+        # one all-reduce per step: the loss sum and the item count
+        device = next(iter(self.module_.parameters())).device
+        totals = torch.tensor(
+            [sum(loss.item() for loss in losses), total],
+            dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        global_loss, global_total = totals.tolist()
+        if not summed and global_total:
+            self._scale_gradients(1.0 / global_total)
+        dtype = losses[0].dtype if losses else torch.float64
+        if summed:
+            loss = torch.tensor(global_loss, dtype=dtype)
+        elif global_total:
+            loss = torch.tensor(global_loss / global_total, dtype=dtype)
+        else:  # no item in the whole group: the mean is undefined
+            loss = torch.tensor(float('nan'))
+        y_pred = None
+        if y_preds:
+            y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
+        return {'loss': loss, 'y_pred': y_pred}
+
+    def _scale_gradients(self, factor):
+        """Multiply this rank's gradient shards in place."""
+        grads = [param.grad for _, param in self.get_all_learnable_params()
+                 if param.grad is not None]
+        grads = [grad.to_local() if hasattr(grad, 'to_local') else grad
+                 for grad in grads]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    # Checkpoints: one full, unsharded copy
+
+    def _is_sharded(self, attr):
+        return attr == 'module_' or attr[:-1] in self._optimizers
+
+    def _get_module(self, name, msg):
+        # skorch's save_params and load_params read and write the module and
+        # the optimizers through this: give them the full, unsharded state
+        module = super()._get_module(name, msg)
+        if self._is_sharded(name) and isinstance(self.module_, FSDPModule):
+            return _FullState(self, name)
+        return module
+
+    def _full_state_dict(self, attr):
+        """Gather the full state of ``module_`` or an optimizer (collective)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if attr == 'module_':
+            return get_model_state_dict(self.module_, options=options)
+        optimizer = getattr(self, attr)
+        state = get_optimizer_state_dict(self.module_, optimizer, options=options)
+        if not state:  # cpu_offload: only rank 0 gets the full state
+            return state
+        # the format of a plain optimizer: parameters by their position
+        index = {name: i for i, name in enumerate(self._param_names(optimizer))}
+        return {
+            'state': {index[name]: value
+                      for name, value in state['state'].items()},
+            'param_groups': [dict(group, params=[index[name]
+                                                 for name in group['params']])
+                             for group in state['param_groups']],
+        }
+
+    def _param_names(self, optimizer):
+        names = {param: name for name, param in self.module_.named_parameters()}
+        return [names[param] for group in optimizer.param_groups
+                for param in group['params']]
+
+    def _load_full_state_dict(self, attr, state_dict):
+        """Shard a full state dict into ``module_`` or an optimizer."""
+        options = StateDictOptions(full_state_dict=True)
+        if attr == 'module_':
+            set_model_state_dict(self.module_, state_dict, options=options)
+            return
+        optimizer = getattr(self, attr)
+        names = self._param_names(optimizer)
+        state_dict = {
+            'state': {names[i]: value
+                      for i, value in state_dict['state'].items()},
+            'param_groups': [dict(group, params=[names[i]
+                                                 for i in group['params']])
+                             for group in state_dict['param_groups']],
+        }
+        set_optimizer_state_dict(self.module_, optimizer, state_dict,
+                                 options=options)
+
+    def save_params(self, f_params=None, f_optimizer=None, f_criterion=None,
+                    f_history=None, use_safetensors=False, **kwargs):
+        """Save one full, unsharded checkpoint; call it on every rank.
+
+        The module's and the optimizers' states are gathered from all ranks
+        and written by rank 0, in the format of a plain net, which loads
+        them with its own ``load_params``. The other ranks write nothing.
+        The arguments are those of skorch's ``save_params``.
+        """
+        files = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer,
+                     f_criterion=f_criterion, f_history=f_history)
+        modules, _ = _check_f_arguments('save_params', **files)
+        self.full_states_ = {
+            attr: self._full_state_dict(attr) for attr in modules
+            if self._is_sharded(attr) and getattr(self, 'initialized_', False)}
+        try:
+            if dist.get_rank() == 0:
+                super().save_params(use_safetensors=use_safetensors, **files)
+        finally:
+            self.full_states_ = None
+        dist.barrier()  # the files are there for every rank
+
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        """Return the loss; in training its gradient is weighted by its count.
+
+        The value is the loss itself; ``backward`` computes the gradient of
+        the loss times the micro-batch's item count, so that the
+        reduce-scatter sums comparable gradients over the ranks.
+        """
+        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        weight = getattr(self, 'loss_weight_', None) if training else None
+        if weight is None:
+            return loss
+        self.loss_weighted_ = True
+        if weight == 0:
+            # no items (e.g. zero rows): a zero gradient through every unit,
+            # so that each one reduce-scatters, not the loss's, maybe NaN
+            weighted = sum(0 * out.sum() for out in _tensors(y_pred))
+        else:
+            weighted = loss * weight
+        return loss.detach() + (weighted - weighted.detach())
+
+
+class _FullState:
+    """The full state dict of a sharded module or optimizer.
+
+    What skorch's ``save_params`` and ``load_params`` see of it; loading
+    shards the state again, on every rank.
+    """
+
+    def __init__(self, net, attr):
+        self.net = net
+        self.attr = attr
+
+    def state_dict(self):
+        return self.net.full_states_[self.attr]
+
+    def load_state_dict(self, state_dict):
+        self.net._load_full_state_dict(self.attr, state_dict)
+
+
+def _tensors(output):
+    """Yield the tensors of a module output (a tensor or a nest of them)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, dict):
+        for value in output.values():
+            yield from _tensors(value)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _tensors(value)
