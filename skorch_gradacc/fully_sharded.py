@@ -320,13 +320,13 @@ class FullyShardedGradAccMixin:
         super().initialize_module()
         if isinstance(self.module_, FSDPModule):
             return self
-        device = self.device or 'cpu'
+        # fully_shard moves each unit to the mesh's device as it shards it,
+        # so that the whole module never has to fit there
         kwargs = {'mesh': self._mesh()}
         if self.mixed_precision == 'bf16':
             kwargs['mp_policy'] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.module_ = shard_module(self.module_.to(device),
-                                    self.shard_classes, **kwargs)
+        self.module_ = shard_module(self.module_, self.shard_classes, **kwargs)
         return self
 
     def _autocast(self):
