@@ -20,7 +20,7 @@ from test_normalization import IGNORE, TokenTagger, token_data
 from skorch_gradacc import FullyShardedGradAccMixin, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import units_of
 
-from conftest import PARAM_ATOL, classification_data
+from conftest import DTYPE, PARAM_ATOL, classification_data
 
 DISTRIBUTED = Path(__file__).parent / 'distributed'
 sys.path.insert(0, str(DISTRIBUTED))
@@ -101,6 +101,23 @@ def test_samples_match_single_process(tmp_path, scenario):
     assert sum(rank['shard_numel'] for rank in ranks) == n_params
     assert all(rank['shard_numel'] < n_params for rank in ranks)
     assert [rank['units'] for rank in ranks] == [4, 4]  # 3 Linear + root
+    assert all(rank['forward_dtypes'] == {DTYPE} for rank in ranks)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_bf16_is_fsdp_mixed_precision(tmp_path):
+    # bf16 parameters in the forward pass, float64 shards, fp32 reductions
+    ranks = run_ranks(tmp_path, 'bf16')
+    for rank in ranks:
+        assert rank['forward_dtypes'] == {torch.bfloat16}
+        assert rank['shard_dtypes'] == {DTYPE}
+    net = plain_classifier()
+    state = torch.load(tmp_path / 'params.pt')
+    assert all(value.dtype == DTYPE for value in state.values())
+    # to bf16's precision, not float64's
+    assert_params_equal(state, net, atol=5e-2)
+    np.testing.assert_allclose(ranks[0]['train_losses'],
+                               train_losses(net.history), rtol=5e-2)
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)

@@ -7,6 +7,7 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
   ``acc_steps=3``; rank 1 has no micro-batch in each epoch's last step;
 * ``samples_each``: the same with ``sync_each_batch=True``;
 * ``tokens``: a token-level loss whose item counts differ between ranks;
+* ``bf16``: ``samples`` with ``mixed_precision='bf16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch.
 
@@ -63,8 +64,10 @@ def make_net(scenario, max_epochs=2):
             TokenTagger, criterion=torch.nn.CrossEntropyLoss,
             criterion__ignore_index=IGNORE, lr=0.5,
             shard_classes=[torch.nn.Embedding, 'Linear'], **common)
-    return FSDPClassifier(sequential_classifier, lr=0.1,
-                          sync_each_batch=scenario == 'samples_each', **common)
+    return FSDPClassifier(
+        sequential_classifier, lr=0.1,
+        sync_each_batch=scenario == 'samples_each',
+        mixed_precision='bf16' if scenario == 'bf16' else None, **common)
 
 
 def fit(scenario, out_dir):
@@ -74,7 +77,11 @@ def fit(scenario, out_dir):
         X, y = classification_data(N_SAMPLES)
     torch.manual_seed(0)  # the same initial weights on every rank
     if scenario != 'resume':
-        return make_net(scenario).fit(X, y)
+        net = make_net(scenario).initialize()
+        net.forward_dtypes_ = set()
+        net.module_[0].register_forward_hook(
+            lambda module, args, output: net.forward_dtypes_.add(output.dtype))
+        return net.partial_fit(X, y)
     first = make_net(scenario, max_epochs=1).fit(X, y)
     first.save_params(f_params=out_dir / 'epoch1_params.pt',
                       f_optimizer=out_dir / 'epoch1_optimizer.pt',
@@ -98,6 +105,8 @@ def main(out_dir, scenario):
     torch.save({
         'shard_numel': sum(param.to_local().numel()
                            for param in net.module_.parameters()),
+        'forward_dtypes': getattr(net, 'forward_dtypes_', None),
+        'shard_dtypes': {param.dtype for param in net.module_.parameters()},
         'units': sum(isinstance(module, torch.distributed.fsdp.FSDPModule)
                      for module in net.module_.modules()),
         'train_losses': [row['train_loss']
