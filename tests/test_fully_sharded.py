@@ -36,7 +36,6 @@ from fsdp_worker import (  # noqa: E402
 WORKER = DISTRIBUTED / 'fsdp_worker.py'
 WORLD_SIZE = 2
 TIME_LIMIT = 240
-LARGE_BATCH = BATCH_SIZE * ACC_STEPS * WORLD_SIZE
 
 
 def torchrun(out_dir, scenario, script=WORKER, nproc=WORLD_SIZE):
@@ -48,25 +47,28 @@ def torchrun(out_dir, scenario, script=WORKER, nproc=WORLD_SIZE):
         capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
 
 
-def run_ranks(tmp_path, scenario):
-    proc = torchrun(tmp_path, scenario)
+def run_ranks(tmp_path, scenario, nproc=WORLD_SIZE):
+    proc = torchrun(tmp_path, scenario, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(tmp_path / 'rank{}.pt'.format(rank))
-            for rank in range(WORLD_SIZE)]
+            for rank in range(nproc)]
 
 
-def single_process(net_cls, X, y, max_epochs=2, **kwargs):
+def single_process(net_cls, X, y, max_epochs=2, world_size=WORLD_SIZE,
+                   **kwargs):
     torch.manual_seed(0)
-    net = net_cls(batch_size=LARGE_BATCH, max_epochs=max_epochs,
+    net = net_cls(batch_size=BATCH_SIZE * ACC_STEPS * world_size,
+                  max_epochs=max_epochs,
                   train_split=None, verbose=0, optimizer__momentum=0.9,
                   **kwargs)
     return net.fit(X, y)
 
 
-def plain_classifier(max_epochs=2):
+def plain_classifier(max_epochs=2, world_size=WORLD_SIZE):
     X, y = classification_data(N_SAMPLES)
     return single_process(NeuralNetClassifier, X, y, max_epochs=max_epochs,
-                          module=sequential_classifier, lr=0.1)
+                          world_size=world_size, module=sequential_classifier,
+                          lr=0.1)
 
 
 def assert_params_equal(state, net, atol=PARAM_ATOL):
@@ -120,6 +122,21 @@ def test_bf16_is_fsdp_mixed_precision(tmp_path):
                                train_losses(net.history), rtol=5e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_nccl_on_gpus_matches_single_process(tmp_path):
+    # one rank per GPU (at most 2), NCCL; the CPU's single process is the
+    # reference, also with one GPU (then: world size 1)
+    nproc = min(torch.cuda.device_count(), WORLD_SIZE)
+    ranks = run_ranks(tmp_path, 'cuda', nproc=nproc)
+    net = plain_classifier(world_size=nproc)
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+    for rank, figures in enumerate(ranks):
+        print('rank {}: torch.cuda.max_memory_allocated = {} bytes'.format(
+            rank, figures['max_memory_allocated']))
+
+
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(tmp_path):
     ranks = run_ranks(tmp_path, 'tokens')
@@ -149,7 +166,8 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(tmp_path):
     assert sorted(optimizer_state['state']) == list(range(6))
     X, y = classification_data(N_SAMPLES)
     plain = NeuralNetClassifier(
-        sequential_classifier, batch_size=LARGE_BATCH, max_epochs=1, lr=0.1,
+        sequential_classifier, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE,
+        max_epochs=1, lr=0.1,
         optimizer__momentum=0.9, train_split=None, verbose=0).initialize()
     plain.load_params(f_params=tmp_path / 'epoch1_params.pt',
                       f_optimizer=tmp_path / 'epoch1_optimizer.pt',

@@ -7,6 +7,7 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
   ``acc_steps=3``; rank 1 has no micro-batch in each epoch's last step;
 * ``samples_each``: the same with ``sync_each_batch=True``;
 * ``tokens``: a token-level loss whose item counts differ between ranks;
+* ``cuda``: ``samples`` on the GPUs, with NCCL (one rank per GPU);
 * ``bf16``: ``samples`` with ``mixed_precision='bf16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch.
@@ -15,6 +16,7 @@ Rank 0 saves the net's full checkpoint (``save_params``) and the history
 to OUT_DIR; each rank saves its counters to OUT_DIR/rank{r}.pt.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +66,8 @@ def make_net(scenario, max_epochs=2):
             TokenTagger, criterion=torch.nn.CrossEntropyLoss,
             criterion__ignore_index=IGNORE, lr=0.5,
             shard_classes=[torch.nn.Embedding, 'Linear'], **common)
+    if scenario == 'cuda':
+        common['device'] = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
     return FSDPClassifier(
         sequential_classifier, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
@@ -79,7 +83,9 @@ def fit(scenario, out_dir):
     if scenario != 'resume':
         net = make_net(scenario).initialize()
         net.forward_dtypes_ = set()
-        net.module_[0].register_forward_hook(
+        first_layer = next(module for module in net.module_.modules()
+                           if isinstance(module, torch.nn.Linear))
+        first_layer.register_forward_hook(
             lambda module, args, output: net.forward_dtypes_.add(output.dtype))
         return net.partial_fit(X, y)
     first = make_net(scenario, max_epochs=1).fit(X, y)
@@ -96,7 +102,7 @@ def fit(scenario, out_dir):
 
 def main(out_dir, scenario):
     out_dir = Path(out_dir)
-    dist.init_process_group('gloo')
+    dist.init_process_group('nccl' if scenario == 'cuda' else 'gloo')
     net = fit(scenario, out_dir)
     rank = dist.get_rank()
     net.save_params(f_params=out_dir / 'params.pt',
@@ -105,6 +111,8 @@ def main(out_dir, scenario):
     torch.save({
         'shard_numel': sum(param.to_local().numel()
                            for param in net.module_.parameters()),
+        'max_memory_allocated': (torch.cuda.max_memory_allocated()
+                                 if scenario == 'cuda' else None),
         'forward_dtypes': getattr(net, 'forward_dtypes_', None),
         'shard_dtypes': {param.dtype for param in net.module_.parameters()},
         'units': sum(isinstance(module, torch.distributed.fsdp.FSDPModule)
