@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from skorch.utils import _check_f_arguments, multi_indexing
+from skorch.utils import _check_f_arguments
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,51 +30,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from skorch_gradacc.batching import concat_outputs, detach_outputs
+from skorch_gradacc.batching import batch_len, concat_outputs, detach_outputs
+from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
 
 __all__ = ['FullyShardedGradAccMixin', 'shard_module']
 
 #: Classes that are FSDP units by default, wherever they are in the module.
 TRANSFORMER_BLOCKS = (torch.nn.TransformerEncoderLayer,
                       torch.nn.TransformerDecoderLayer)
-
-
-class _MicroBatchShard:
-    """Interim: micro-batches ``rank, rank + W, ...`` of an iterator.
-
-    Every rank yields ``ceil(M / W)`` micro-batches; a rank whose share is
-    shorter yields a zero-row slice of its last micro-batch instead.
-    """
-
-    def __init__(self, iterator, rank, world_size):
-        self.iterator = iterator
-        self.rank = rank
-        self.world_size = world_size
-
-    def __len__(self):
-        return -(-len(self.iterator) // self.world_size)
-
-    def __iter__(self):
-        last, yielded = None, 0
-        for index, micro in enumerate(self.iterator):
-            if index % self.world_size == self.rank:
-                last = micro
-                yielded += 1
-                yield micro
-        if yielded < len(self):
-            yield _zero_rows(last)
-
-
-def _zero_rows(batch):
-    rows = slice(0, 0)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(None if data is None else multi_indexing(data, rows)
-                           for data in batch)
-    return multi_indexing(batch, rows)
-
-
-def shard_micro_batches(iterator, rank, world_size):
-    return _MicroBatchShard(iterator, rank, world_size)
 
 
 def _matches(module, shard_classes):
@@ -167,6 +130,38 @@ def shard_module(module, shard_classes=None, **kwargs):
     return module
 
 
+class _Steps:
+    """The groups of micro-batches of this rank, one per step, with passes.
+
+    The groups of :class:`~skorch_gradacc.sharding.ShardedMicroBatchGroups`;
+    each gets ``passes``, the number of micro-batches that the rank with
+    the most has in the step (rank 0), which every rank runs.
+    """
+
+    def __init__(self, micro_batches, acc_steps, keep, device):
+        try:
+            self.count = len(micro_batches)
+        except TypeError:
+            raise ValueError(
+                "FullyShardedGradAccMixin needs a training iterator with a "
+                "length, so that every rank knows how many forward passes each "
+                "step takes; got {!r}.".format(micro_batches)) from None
+        self.world_size = dist.get_world_size()
+        self.per_step = acc_steps * self.world_size
+        self.groups = ShardedMicroBatchGroups(
+            micro_batches, acc_steps, rank=dist.get_rank(),
+            world_size=self.world_size, keep=keep, device=device)
+
+    def __len__(self):
+        return len(self.groups)
+
+    def __iter__(self):
+        for step, group in enumerate(self.groups):
+            items = min(self.per_step, self.count - step * self.per_step)
+            group.passes = -(-items // self.world_size)
+            yield group
+
+
 class FullyShardedGradAccMixin:
     """Mixin that trains a GradAcc net with fully sharded data parallel.
 
@@ -185,11 +180,13 @@ class FullyShardedGradAccMixin:
       sharded parameters.
     * The training iterator is the user's own, sharded by micro-batch:
       rank ``r`` takes micro-batches ``r, r + W, r + 2W, ...``
-      (:func:`~skorch_gradacc.sharding.shard_micro_batches`). So ``W``
-      ranks with ``acc_steps=k`` train like one process with
-      ``acc_steps=k * W`` on the same iterator. A rank with fewer
-      micro-batches in the last step runs a zero-row forward and backward
-      instead, which adds nothing.
+      (:mod:`skorch_gradacc.sharding`, as with
+      :class:`~skorch_gradacc.DistributedGradAccMixin`). So ``W`` ranks
+      with ``acc_steps=k`` train like one process with ``acc_steps=k * W``
+      on the same iterator. A rank with fewer micro-batches in the last
+      step runs zero-row forward and backward passes instead, which add
+      nothing, so that every rank runs as many passes. The iterator needs a
+      length.
     * Each micro-batch's backward computes the gradient of its loss times
       its item count (:meth:`count_loss_items`), the loss itself is
       untouched; the reduce-scatter sums over the ranks. By default the
@@ -335,31 +332,68 @@ class FullyShardedGradAccMixin:
 
     # The training iterator, sharded by micro-batch
 
-    def get_iterator(self, dataset, training=False):
-        """Give each rank its micro-batches of the user's training iterator."""
-        iterator = super().get_iterator(dataset, training=training)
-        if not training:
-            return iterator
-        return shard_micro_batches(iterator, dist.get_rank(),
-                                   dist.get_world_size())
+    def _collective_device(self):
+        """Where the collectives run: the device of the parameters."""
+        return next(self.module_.parameters()).device
 
-    def _trains_in_groups(self):
-        return True  # also with acc_steps=1: the step's collectives are here
+    def run_single_epoch(self, iterator, training, prefix, step_fn,
+                         **fit_params):
+        """Run skorch's epoch; in training, over this rank's share of each step.
+
+        The groups are those of :class:`~skorch_gradacc.sharding.
+        ShardedMicroBatchGroups`, as with
+        :class:`~skorch_gradacc.DistributedGradAccMixin`.
+        """
+        from skorch_gradacc.mixin import GradAccMixin  # it imports this module
+
+        if not training or iterator is None:
+            return super().run_single_epoch(
+                iterator, training, prefix, step_fn, **fit_params)
+        needed = self.get_train_outputs_needed()
+        self.keep_train_y_pred_ = needed['y_pred']
+        steps = _Steps(iterator, self.get_acc_steps(), keep=needed['batch'],
+                       device=self._collective_device())
+        # GradAccMixin's run_single_epoch would group the micro-batches again
+        return super(GradAccMixin, self).run_single_epoch(
+            steps, training, prefix, step_fn, **fit_params)
 
     # The step
 
+    def _step_pieces(self, group):
+        """Yield ``(micro_batch, is_last)`` for ``group.passes`` passes.
+
+        This rank's micro-batches of the step, then zero-row ones until the
+        step has as many forward and backward passes as on the rank with the
+        most: every pass gathers parameters from all ranks.
+        """
+        template, pulled = None, 0
+        for index, micro in enumerate(group.micro_batches()):
+            if index >= group.passes:
+                raise RuntimeError(
+                    "The training iterator yielded more micro-batches than its "
+                    "length says; its sampler's __len__ must match what it "
+                    "yields.")
+            if template is None:
+                template = zero_rows(micro)
+            group.rows_in_flight = batch_len(micro)
+            pulled += 1
+            yield micro, index == group.passes - 1
+            del micro
+        for index in range(pulled, group.passes):
+            yield template, index == group.passes - 1
+
     def _accumulate_gradients(self, group, **fit_params):
-        """Run the group's micro-batches; reduce-scatter; normalize globally.
+        """Run the step's passes; reduce-scatter; normalize globally.
 
         ``.grad`` ends as this rank's shard of the gradient of the mean loss
-        over the group's items on all ranks. See the class docstring.
+        over the step's items on all ranks. See the class docstring.
         """
         module = self.module_
         keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
         losses, y_preds = [], []
         summed = None  # whether the loss is a sum (count_loss_items is None)
-        total = 0.0  # the group's item count on this rank
-        for piece, is_last in self._pieces(group):
+        total = 0.0  # the step's item count on this rank
+        for piece, is_last in self._step_pieces(group):
             count = self.count_loss_items(piece)
             if summed is None:
                 summed = count is None
@@ -382,27 +416,28 @@ class FullyShardedGradAccMixin:
                     "must compute the loss with self.get_loss(..., "
                     "training=True), and an override of get_loss must call "
                     "super().get_loss.")
-            if weight:  # the loss of a zero-row micro-batch may be NaN
+            if weight and batch_len(piece):  # zero rows: the loss may be NaN
                 losses.append(weight * step['loss'].detach())
-            if keep_y_pred:
+            if keep_y_pred and batch_len(piece):
                 y_preds.append(detach_outputs(step['y_pred']))
             del step, piece  # frees the piece's graph and outputs
 
-        # one all-reduce per step: the loss sum and the item count
-        device = next(iter(self.module_.parameters())).device
-        totals = torch.tensor(
-            [sum(loss.item() for loss in losses), total],
-            dtype=torch.float64, device=device)
-        dist.all_reduce(totals)
-        global_loss, global_total = totals.tolist()
+        # the step's one small all-reduce: item count, loss sum and rows
+        loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
+        values = torch.stack([
+            torch.as_tensor(value, dtype=torch.float64).to(
+                self._collective_device())
+            for value in (total, loss_sum, group.n_rows)])
+        dist.all_reduce(values)
+        global_total, global_loss, global_rows = values.tolist()
+        group.global_rows = int(global_rows)
         if not summed and global_total:
             self._scale_gradients(1.0 / global_total)
-        dtype = losses[0].dtype if losses else torch.float64
         if summed:
-            loss = torch.tensor(global_loss, dtype=dtype)
+            loss = torch.tensor(global_loss, dtype=torch.float64)
         elif global_total:
-            loss = torch.tensor(global_loss / global_total, dtype=dtype)
-        else:  # no item in the whole group: the mean is undefined
+            loss = torch.tensor(global_loss / global_total, dtype=torch.float64)
+        else:  # no item in the whole step: the mean is undefined
             loss = torch.tensor(float('nan'))
         y_pred = None
         if y_preds:

@@ -79,15 +79,17 @@ def assert_params_equal(state, net, atol=PARAM_ATOL):
         torch.testing.assert_close(state[key], value, rtol=0, atol=atol)
 
 
-def train_losses(history):
-    return [row['train_loss'] for epoch in history[:, 'batches']
-            for row in epoch]
+def train_losses(history, key='train_loss'):
+    return [row[key] for epoch in history[:, 'batches'] for row in epoch]
 
 
 def assert_losses_equal(ranks, net):
+    # the mean over all ranks, and the rows of the step over all ranks
     expected = train_losses(net.history)
     for rank in ranks:
         np.testing.assert_allclose(rank['train_losses'], expected, rtol=1e-10)
+        assert rank['train_batch_sizes'] == train_losses(
+            net.history, 'train_batch_size')
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)

@@ -120,6 +120,9 @@ def main(out_dir, scenario):
         'train_losses': [row['train_loss']
                          for epoch in net.history[:, 'batches']
                          for row in epoch],
+        'train_batch_sizes': [row['train_batch_size']
+                              for epoch in net.history[:, 'batches']
+                              for row in epoch],
     }, out_dir / 'rank{}.pt'.format(rank))
     dist.destroy_process_group()
 
