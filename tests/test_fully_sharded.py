@@ -141,6 +141,8 @@ def test_nccl_on_gpus_matches_single_process(tmp_path):
 
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(tmp_path):
+    # shuffled; 117 rows: 15 micro-batches, so in each epoch's last step
+    # rank 0 has two and rank 1 one, and a zero-row pass
     ranks = run_ranks(tmp_path, 'tokens')
     X, y = token_data(N_TOKEN_SAMPLES)
     counts = [(y[rank * BATCH_SIZE:(rank + 1) * BATCH_SIZE] != IGNORE).sum()
@@ -148,7 +150,9 @@ def test_uneven_item_counts_are_normalized_globally(tmp_path):
     assert counts[0] != counts[1]
     net = single_process(NeuralNet, X, y, module=TokenTagger,
                          criterion=torch.nn.CrossEntropyLoss,
-                         criterion__ignore_index=IGNORE, lr=0.5)
+                         criterion__ignore_index=IGNORE, lr=0.5,
+                         iterator_train__shuffle=True)
+    assert train_losses(net.history, 'train_batch_size')[-1] == 117 - 96
     assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
     assert_losses_equal(ranks, net)
 

@@ -6,7 +6,9 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
 * ``samples``: a classifier on 195 rows, micro-batches of 8,
   ``acc_steps=3``; rank 1 has no micro-batch in each epoch's last step;
 * ``samples_each``: the same with ``sync_each_batch=True``;
-* ``tokens``: a token-level loss whose item counts differ between ranks;
+* ``tokens``: a token-level loss whose item counts differ between ranks,
+  shuffled, on 117 rows: in each epoch's last step rank 0 has two
+  micro-batches and rank 1 one, and a zero-row pass;
 * ``cuda``: ``samples`` on the GPUs, with NCCL (one rank per GPU);
 * ``bf16``: ``samples`` with ``mixed_precision='bf16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
@@ -36,7 +38,7 @@ from skorch_gradacc.distributed import FullyShardedGradAccMixin  # noqa: E402
 
 from conftest import DTYPE, classification_data  # noqa: E402
 
-BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 100
+BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
 
 
 def sequential_classifier():
@@ -65,6 +67,7 @@ def make_net(scenario, max_epochs=2):
         return FSDPTokenNet(
             TokenTagger, criterion=torch.nn.CrossEntropyLoss,
             criterion__ignore_index=IGNORE, lr=0.5,
+            iterator_train__shuffle=True,
             shard_classes=[torch.nn.Embedding, 'Linear'], **common)
     if scenario == 'cuda':
         common['device'] = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
