@@ -147,6 +147,19 @@ def test_iterable_dataset_of_micro_batches(tmp_path):
     assert_same_as_single_process(ranks, net)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_nccl_on_every_gpu_matches_single_process(tmp_path):
+    # NCCL refuses collectives on CPU tensors: the count, loss and rows of
+    # each step must be all-reduced on the gradients' device
+    n_gpus = torch.cuda.device_count()
+    ranks = run_ranks(tmp_path, 'samples', nproc=n_gpus, backend='nccl')
+    assert sum(rank['rows'] for rank in ranks) == 2 * 195
+    assert_same_as_single_process(
+        ranks, classifier(195, batch_size=BATCH_SIZE * ACC_STEPS * n_gpus))
+
+
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_a_failing_rank_does_not_hang(tmp_path):
     proc = torchrun(tmp_path, 'raise')
