@@ -147,6 +147,19 @@ def test_iterable_dataset_of_micro_batches(tmp_path):
     assert_same_as_single_process(ranks, net)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_nccl_on_every_gpu_matches_single_process(tmp_path):
+    # NCCL refuses collectives on CPU tensors: the count, loss and rows of
+    # each step must be all-reduced on the gradients' device
+    n_gpus = torch.cuda.device_count()
+    ranks = run_ranks(tmp_path, 'samples', nproc=n_gpus, backend='nccl')
+    assert sum(rank['rows'] for rank in ranks) == 2 * 195
+    assert_same_as_single_process(
+        ranks, classifier(195, batch_size=BATCH_SIZE * ACC_STEPS * n_gpus))
+
+
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_a_failing_rank_does_not_hang(tmp_path):
     proc = torchrun(tmp_path, 'raise')
@@ -193,3 +206,62 @@ def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
     for rank in range(WORLD_SIZE):
         assert 'rank {} watches its comm hook'.format(rank) in out
     assert (tmp_path / 'params.pt').exists()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Micro-batches of a tensor, without a length."""
+
+    def __init__(self, data, size):
+        self.data, self.size = data, size
+
+    def __iter__(self):
+        for start in range(0, len(self.data), self.size):
+            yield self.data[start:start + self.size]
+
+
+@pytest.mark.parametrize('iterable', [False, True])
+@pytest.mark.parametrize('n_rows', [1, 5, 16, 23, 49])
+@pytest.mark.parametrize('world_size, acc_steps', [(2, 1), (2, 3), (3, 2)])
+def test_the_ranks_share_the_steps_of_one_process_with_more_acc_steps(
+        iterable, n_rows, world_size, acc_steps):
+    # W ranks with acc_steps=k: step s of rank r holds the micro-batches r,
+    # r + W, ... of step s of one process with acc_steps=k * W; a rank
+    # without one holds zero rows
+    from torch.utils.data import DataLoader
+
+    from skorch_gradacc.grouping import MicroBatchGroups
+    from skorch_gradacc.sharding import ShardedMicroBatchGroups
+
+    data = torch.arange(float(n_rows))
+    loader = (DataLoader(Stream(data, 2), batch_size=None) if iterable
+              else DataLoader(data, batch_size=2))
+    single = [[micro.tolist() for micro in group.micro_batches()]
+              for group in MicroBatchGroups(loader, acc_steps * world_size)]
+    ranks = [[[micro.tolist() for micro in group.micro_batches()]
+              for group in ShardedMicroBatchGroups(
+                  loader, acc_steps, rank, world_size, sync_rng=False)]
+             for rank in range(world_size)]
+    for rank, steps in enumerate(ranks):
+        assert len(steps) == len(single)
+        for step, group in zip(steps, single):
+            assert step == (group[rank::world_size] or [[]])
+
+
+@pytest.mark.timeout(600)
+def test_gpu_checks_dry_run():
+    # benchmarks/gpu_checks.py runs on a GPU only when one is lent; its dry
+    # run on the CPU keeps it from rotting in between
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent.parent / 'benchmarks'
+                             / 'gpu_checks.py'), '--dry-run'],
+        capture_output=True, text=True, timeout=540,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split(' | ') for line in proc.stdout.splitlines()
+            if line.startswith('| ') and not line.startswith('| check')]
+    statuses = {row[0][2:]: row[1] for row in rows}
+    assert statuses == {
+        'cuda tests': 'not run', 'fp16': 'pass', 'bf16': 'pass',
+        'auto OOM': 'not run', 'LM memory': 'not run',
+        'NCCL, world size 1': 'not run', 'sync-free step': 'not run'}
+    assert 'gloo with one rank matched' in proc.stdout
