@@ -6,6 +6,7 @@ plain skorch in one process with ``batch_size * acc_steps * world_size``.
 """
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
@@ -124,9 +126,10 @@ def test_bf16_is_fsdp_mixed_precision(tmp_path):
                                train_losses(net.history), rtol=5e-2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.timeout(TIME_LIMIT + 60)
-def test_nccl_on_gpus_matches_single_process(tmp_path):
+def test_cuda_nccl_matches_single_process(tmp_path):
     # one rank per GPU (at most 2), NCCL; the CPU's single process is the
     # reference, also with one GPU (then: world size 1)
     nproc = min(torch.cuda.device_count(), WORLD_SIZE)
@@ -268,3 +271,32 @@ class TestValidation:
         assert params['shard_classes'] is None
         assert params['sync_each_batch'] is False
         assert params['acc_steps'] == 1
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
+    # the docs' train_fsdp.py is a literal block, run here as the page says;
+    # a plain net in this process loads its checkpoint and predicts what
+    # every rank printed
+    text = (Path(__file__).parent.parent / 'docs' / 'scaling_out.rst').read_text()
+    start = text.index('``train_fsdp.py``::') + len('``train_fsdp.py``::')
+    block = text[start:text.index('and run it like the DDP script')]
+    script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
+    (tmp_path / 'train_fsdp.py').write_text(script + '\n')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nproc_per_node', str(WORLD_SIZE), 'train_fsdp.py'],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIME_LIMIT,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+
+    recipe = runpy.run_path(str(tmp_path / 'train_fsdp.py'))
+    X, _ = make_classification(2000, 20, random_state=0)
+    plain = NeuralNetClassifier(recipe['mlp'], optimizer=torch.optim.Adam)
+    plain.initialize().load_params(f_params=tmp_path / 'params.pt',
+                                   f_optimizer=tmp_path / 'optimizer.pt')
+    assert len(plain.optimizer_.state) == 6  # Adam's state for 6 tensors
+    predicted = str(plain.predict(X[:5].astype('float32')))
+    assert proc.stdout.count(predicted + '\n') == WORLD_SIZE, (
+        predicted, proc.stdout)
