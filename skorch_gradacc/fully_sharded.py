@@ -210,6 +210,12 @@ class FullyShardedGradAccMixin:
     refused. Only the module (``module_``) is sharded; the optimizer must
     hold its parameters only.
 
+    The net's ``mixed_precision='bf16'`` becomes FSDP's
+    :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters are
+    gathered and used in bfloat16, gradients reduced in float32 and the
+    sharded parameters kept in their own dtype, and no autocast is used.
+    ``mixed_precision='fp16'`` is refused.
+
     .. note::
 
        Tested with 2 ranks on the CPU (gloo). GPUs (NCCL) are untested.
@@ -231,12 +237,6 @@ class FullyShardedGradAccMixin:
       reduce-scattered, so that only the shards accumulate: less memory,
       ``acc_steps`` times the communication (Accelerate's
       ``sync_each_batch``). Both give the same update.
-
-    The net's ``mixed_precision='bf16'`` becomes FSDP's
-    :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters are
-    gathered and used in bfloat16, gradients reduced and the sharded
-    parameters kept in float32, and no autocast is used.
-    ``mixed_precision='fp16'`` is refused.
 
     Examples
     --------
