@@ -10,9 +10,10 @@ each:
 * the step's micro-batches, their reduce-scatters and the normalization by
   the global item count:
   :meth:`FullyShardedGradAccMixin._accumulate_gradients`;
-* one full, unsharded checkpoint, written by rank 0:
-  :meth:`FullyShardedGradAccMixin.save_params` and
-  :meth:`FullyShardedGradAccMixin.load_params`.
+* one full, unsharded checkpoint, written by rank 0 and read by every
+  rank: :meth:`FullyShardedGradAccMixin.save_params`, and skorch's own
+  ``save_params`` and ``load_params`` through
+  :meth:`FullyShardedGradAccMixin._get_module`.
 """
 
 import contextlib
@@ -106,7 +107,8 @@ def shard_module(module, shard_classes=None, **kwargs):
     Parameters
     ----------
     module : torch.nn.Module
-      The module, on the device of the mesh.
+      The module; ``fully_shard`` moves each unit to the mesh's device as
+      it shards it.
 
     shard_classes : sequence of classes or class names, or None
       See :func:`units_of`.
@@ -192,11 +194,13 @@ class FullyShardedGradAccMixin:
       untouched; the reduce-scatter sums over the ranks. By default the
       gradients stay unsharded and local until the group's last micro-batch
       (``set_requires_gradient_sync(False)``), which reduce-scatters once
-      per step. After it, one all-reduce of two numbers (the group's item
-      count and loss sum over all ranks) gives the count ``C``, and each
-      rank divides its gradient shard by ``C``: the update is that of the
-      single process with ``batch_size * acc_steps * world_size``, and the
-      history's ``train_loss`` is the mean over all ranks.
+      per step. After it, one all-reduce of three numbers (the step's item
+      count, loss sum and rows over all ranks, as in
+      :class:`~skorch_gradacc.distributed.GradientSync`) gives the count
+      ``C``, and each rank divides its gradient shard by ``C``: the update
+      is that of the single process with ``batch_size * acc_steps *
+      world_size``, and the history's ``train_loss`` and
+      ``train_batch_size`` are those of the whole step over all ranks.
     * ``save_params`` and ``load_params``, called on every rank, write and
       read one full, unsharded checkpoint, in the format of a plain net;
       rank 0 writes.
