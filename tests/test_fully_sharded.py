@@ -16,6 +16,7 @@ import pytest
 import torch
 from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
+from skorch.callbacks import GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(DISTRIBUTED))
 from fsdp_worker import (  # noqa: E402
     ACC_STEPS,
     BATCH_SIZE,
+    CLIP_NORM,
     N_SAMPLES,
     N_TOKEN_SAMPLES,
     sequential_classifier,
@@ -66,11 +68,11 @@ def single_process(net_cls, X, y, max_epochs=2, world_size=WORLD_SIZE,
     return net.fit(X, y)
 
 
-def plain_classifier(max_epochs=2, world_size=WORLD_SIZE):
+def plain_classifier(max_epochs=2, world_size=WORLD_SIZE, **kwargs):
     X, y = classification_data(N_SAMPLES)
     return single_process(NeuralNetClassifier, X, y, max_epochs=max_epochs,
                           world_size=world_size, module=sequential_classifier,
-                          lr=0.1)
+                          lr=0.1, **kwargs)
 
 
 def assert_params_equal(state, net, atol=PARAM_ATOL):
@@ -108,6 +110,20 @@ def test_samples_match_single_process(tmp_path, scenario):
     assert all(rank['shard_numel'] < n_params for rank in ranks)
     assert [rank['units'] for rank in ranks] == [4, 4]  # 3 Linear + root
     assert all(rank['forward_dtypes'] == {DTYPE} for rank in ranks)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_gradient_clipping_sees_the_whole_gradient(tmp_path):
+    # skorch's GradientNormClipping, on_grad_computed, clips the sharded
+    # gradient by the norm of the whole one, as in the single process
+    ranks = run_ranks(tmp_path, 'clip')
+    state = torch.load(tmp_path / 'params.pt')
+    net = plain_classifier(callbacks=[GradientNormClipping(CLIP_NORM)])
+    assert_params_equal(state, net)
+    assert_losses_equal(ranks, net)
+    unclipped = plain_classifier().module_.state_dict()
+    assert max((state[key] - value).abs().max()
+               for key, value in unclipped.items()) > 1e-2
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)

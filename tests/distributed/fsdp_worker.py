@@ -10,6 +10,7 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
   shuffled, on 117 rows: in each epoch's last step rank 0 has two
   micro-batches and rank 1 one, and a zero-row pass;
 * ``cuda``: ``samples`` on the GPUs, with NCCL (one rank per GPU);
+* ``clip``: ``samples`` with skorch's GradientNormClipping;
 * ``bf16``: ``samples`` with ``mixed_precision='bf16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from skorch.callbacks import GradientNormClipping
 
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
@@ -39,6 +41,7 @@ from skorch_gradacc.distributed import FullyShardedGradAccMixin  # noqa: E402
 from conftest import DTYPE, classification_data  # noqa: E402
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
+CLIP_NORM = 0.05
 
 
 def sequential_classifier():
@@ -71,6 +74,8 @@ def make_net(scenario, max_epochs=2):
             shard_classes=[torch.nn.Embedding, 'Linear'], **common)
     if scenario == 'cuda':
         common['device'] = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
+    if scenario == 'clip':
+        common['callbacks'] = [GradientNormClipping(CLIP_NORM)]
     return FSDPClassifier(
         sequential_classifier, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
