@@ -150,7 +150,7 @@ class StepSync:
 
         """
         values = torch.stack([
-            torch.as_tensor(value, dtype=torch.float64).to(self.device)
+            _on_device(value, self.device)
             for value in (count, loss_sum.detach(), group.n_rows)])
         dist.all_reduce(values, group=self.process_group)
         total, loss, rows = values
@@ -223,6 +223,16 @@ class GradientSync(StepSync):
         items (``unit == 0``) contributes nothing.
         """
         self.factor = 1.0 if unit is None else unit
+
+
+def _on_device(value, device):
+    """Return ``value`` as a float64 scalar on ``device``, without waiting.
+
+    A number is filled in on the device, not copied from the host.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _scaled_allreduce_hook(state, bucket):
