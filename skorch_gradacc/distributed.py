@@ -1,26 +1,17 @@
 """Data-parallel training of GradAcc nets with DistributedDataParallel.
 
-All of the package's DDP code lives here:
+All of the package's data-parallel code but the sharding of the training
+iterator (:mod:`skorch_gradacc.sharding`) lives here:
 
-* :class:`GradientSync`, used by :class:`~skorch_gradacc.GradAccMixin`
-  whenever its module is wrapped in DistributedDataParallel (by
-  :class:`DistributedGradAccMixin` or by skorch's ``AccelerateMixin``). It
-  implements the step protocol that the net follows on every rank, and that
-  another synchronization (e.g. one for FSDP2) can implement as well:
-
-  1. :meth:`GradientSync.groups`: this rank's micro-batches of each step
-     (the same number of steps on every rank; see
-     :mod:`skorch_gradacc.sharding`);
-  2. :meth:`GradientSync.context`: the context of each micro-batch's
-     backward, ``no_sync()`` for all but this rank's last of the step;
-  3. :meth:`GradientSync.set_unit`: before that last backward, what this
-     rank's gradient is multiplied by before the gradients are summed over
-     ranks, so that the sum is the gradient of the summed loss;
-  4. :meth:`GradientSync.end_step`: after it, the step's one small
-     all-reduce of the item count, the loss sum and the rows over all
-     ranks; the gradient is divided by the count, and the mean loss
-     returned for the history.
-
+* :class:`StepSync`, the step protocol that
+  :class:`~skorch_gradacc.GradAccMixin` follows on every rank when its
+  module is wrapped for data-parallel training: this rank's groups, the
+  context of each backward, the unit of the gradient before it is summed
+  over ranks, and the step's one small all-reduce;
+* :class:`GradientSync`, the protocol for a module wrapped in
+  DistributedDataParallel (by :class:`DistributedGradAccMixin` or by
+  skorch's ``AccelerateMixin``): ``no_sync()`` and a communication hook;
+  another engine (e.g. FSDP2) subclasses :class:`StepSync` in the same way;
 * :class:`DistributedGradAccMixin`, which wraps the module and shards the
   user's own training iterator by micro-batch, for ``torchrun``.
 """
@@ -35,26 +26,38 @@ from torch.utils.data import DistributedSampler
 from skorch_gradacc.grouping import MicroBatchGroups
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
-__all__ = ['DistributedGradAccMixin', 'GradientSync', 'gradient_sync']
+__all__ = ['DistributedGradAccMixin', 'GradientSync', 'StepSync',
+           'gradient_sync']
 
 
-class GradientSync:
-    """Synchronize a group's gradient across processes once per step.
+class StepSync:
+    """The step protocol of data-parallel training, on every rank.
 
-    A rank holds ``sum_j (c_j / u) * grad_j`` for its micro-batches (see
-    :meth:`~skorch_gradacc.GradAccMixin.accumulate_gradients`), ``c_j`` the
-    item count of micro-batch ``j`` and ``u`` the last one. The
-    communication hook multiplies it by ``factor = u``, which makes it the
-    gradient of this rank's summed loss, and sums over ranks;
-    :meth:`end_step` divides the sum by ``C``, the step's item count over
-    all ranks. The result is the gradient of the mean over the whole
-    distributed step, as in the single process. The hook replaces DDP's
-    default one, which averages over ranks.
+    :class:`~skorch_gradacc.GradAccMixin` calls, for each optimizer step:
+
+    1. :meth:`groups` once per epoch: this rank's micro-batches of each
+       step, the same number of steps on every rank;
+    2. :meth:`context` around each micro-batch's forward and backward,
+       with ``syncs=True`` for this rank's last one of the step, whose
+       backward reduces the gradient over ranks;
+    3. :meth:`set_unit` just before that last micro-batch: ``.grad`` holds
+       ``sum_j (c_j / u) * grad_j``, ``c_j`` the item count of micro-batch
+       ``j`` (:meth:`~skorch_gradacc.GradAccMixin.count_loss_items`) and
+       ``u`` the unit; the reduction must sum ``u`` times it over ranks,
+       the gradient of the summed loss;
+    4. :meth:`end_step` after it: one all-reduce of the step's item count,
+       loss sum and rows; the summed gradient is divided by the count,
+       and the step's mean loss goes to the history.
+
+    This base class implements 1 and 4, which do not depend on the engine;
+    an engine's subclass implements 2 and 3 (:class:`GradientSync` for
+    DDP). The net keeps its sync in ``comm_state_``; see
+    :func:`gradient_sync`.
 
     Parameters
     ----------
-    module : torch.nn.parallel.DistributedDataParallel
-      The wrapped module; the hook is registered on it.
+    module : torch.nn.Module
+      The wrapped module.
 
     process_group : ProcessGroup or None
       The process group; None for the default one.
@@ -66,13 +69,6 @@ class GradientSync:
 
     Attributes
     ----------
-    factor : float or torch.Tensor
-      What the next all-reduce multiplies this rank's gradient by.
-
-    allreduces : int
-      The number of gradient all-reduces so far: one per DDP bucket and
-      step.
-
     device : torch.device
       Where the collectives run: the device of the module's parameters,
       which NCCL requires to be a GPU.
@@ -83,12 +79,9 @@ class GradientSync:
         self.module = module
         self.process_group = process_group
         self.shard = shard
-        self.factor = 1.0
-        self.allreduces = 0
         param = next(module.parameters(), None)
         self.device = param.device if param is not None else torch.device(
             'cpu')
-        module.register_comm_hook(self, _scaled_allreduce_hook)
 
     def groups(self, micro_batches, acc_steps, keep=False):
         """Return this rank's groups of micro-batches, one per step.
@@ -117,22 +110,12 @@ class GradientSync:
         return groups
 
     def context(self, syncs):
-        """Return the context of a micro-batch's backward.
-
-        ``no_sync()`` unless the micro-batch is this rank's last of the step
-        (``syncs``): then the backward runs the gradient all-reduce.
-        """
-        return contextlib.nullcontext() if syncs else self.module.no_sync()
+        """Return the context of a micro-batch's forward and backward."""
+        raise NotImplementedError
 
     def set_unit(self, unit):
-        """Say what this rank's gradient is in units of.
-
-        Called before the step's last backward on this rank.
-        ``unit`` is ``u``, the count that ``.grad`` is in units of, or None
-        for a summed loss (the gradient is sent as it is). A rank without
-        items (``unit == 0``) contributes nothing.
-        """
-        self.factor = 1.0 if unit is None else unit
+        """Say what this rank's gradient is in units of (None: summed)."""
+        raise NotImplementedError
 
     def end_step(self, net, group, count, loss_sum, summed):
         """Finish the step after its last backward.
@@ -167,7 +150,7 @@ class GradientSync:
 
         """
         values = torch.stack([
-            torch.as_tensor(value, dtype=torch.float64).to(self.device)
+            _on_device(value, self.device)
             for value in (count, loss_sum.detach(), group.n_rows)])
         dist.all_reduce(values, group=self.process_group)
         total, loss, rows = values
@@ -184,6 +167,72 @@ class GradientSync:
             torch._foreach_div_([grad for grad in grads if grad.dtype == dtype],
                                 divisor.to(dtype))
         return loss / total
+
+
+
+class GradientSync(StepSync):
+    """The step protocol for a module wrapped in DistributedDataParallel.
+
+    ``no_sync()`` for all micro-batches of a step but a rank's last, and a
+    communication hook that multiplies each rank's gradient by ``factor =
+    u`` (:meth:`set_unit`), making it the gradient of this rank's summed
+    loss, and sums over ranks; :meth:`~StepSync.end_step` then divides by
+    the step's item count over all ranks. The result is the gradient of the
+    mean over the whole distributed step, as in the single process. The
+    hook replaces DDP's default one, which averages over ranks.
+
+    Parameters
+    ----------
+    module : torch.nn.parallel.DistributedDataParallel
+      The wrapped module; the hook is registered on it.
+
+    process_group, shard
+      See :class:`StepSync`.
+
+    Attributes
+    ----------
+    factor : float or torch.Tensor
+      What the next all-reduce multiplies this rank's gradient by.
+
+    allreduces : int
+      The number of gradient all-reduces so far: one per DDP bucket and
+      step.
+
+    """
+
+    def __init__(self, module, process_group=None, shard=False):
+        super().__init__(module, process_group=process_group, shard=shard)
+        self.factor = 1.0
+        self.allreduces = 0
+        module.register_comm_hook(self, _scaled_allreduce_hook)
+
+    def context(self, syncs):
+        """Return the context of a micro-batch's backward.
+
+        ``no_sync()`` unless the micro-batch is this rank's last of the step
+        (``syncs``): then the backward runs the gradient all-reduce.
+        """
+        return contextlib.nullcontext() if syncs else self.module.no_sync()
+
+    def set_unit(self, unit):
+        """Say what this rank's gradient is in units of.
+
+        Called before the step's last backward on this rank.
+        ``unit`` is ``u``, the count that ``.grad`` is in units of, or None
+        for a summed loss (the gradient is sent as it is). A rank without
+        items (``unit == 0``) contributes nothing.
+        """
+        self.factor = 1.0 if unit is None else unit
+
+
+def _on_device(value, device):
+    """Return ``value`` as a float64 scalar on ``device``, without waiting.
+
+    A number is filled in on the device, not copied from the host.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _scaled_allreduce_hook(state, bucket):
@@ -209,18 +258,22 @@ def _scaled_allreduce_hook(state, bucket):
 
 
 def gradient_sync(net):
-    """Return the :class:`GradientSync` of ``net``'s module, or None.
+    """Return the :class:`StepSync` of ``net``'s module, or None.
 
-    None unless ``net.module_`` is wrapped in DistributedDataParallel. The
-    sync is created once per wrapped module and kept in ``net.comm_state_``.
+    The sync is kept in ``net.comm_state_``. A :class:`StepSync` that an
+    engine's mixin put there for ``net.module_`` is returned as it is;
+    otherwise, a module wrapped in DistributedDataParallel gets a
+    :class:`GradientSync`, created once per wrapped module; any other
+    module, None.
     """
     module = getattr(net, 'module_', None)
+    sync = getattr(net, 'comm_state_', None)
+    if isinstance(sync, StepSync) and sync.module is module:
+        return sync
     if not isinstance(module, DistributedDataParallel):
         return None
-    sync = getattr(net, 'comm_state_', None)
-    if sync is None or sync.module is not module:
-        sync = net.comm_state_ = GradientSync(
-            module, shard=isinstance(net, DistributedGradAccMixin))
+    sync = net.comm_state_ = GradientSync(
+        module, shard=isinstance(net, DistributedGradAccMixin))
     return sync
 
 
