@@ -32,9 +32,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from skorch_gradacc.batching import batch_len, concat_outputs, detach_outputs
+from skorch_gradacc.distributed import StepSync, gradient_sync
 from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
 
-__all__ = ['FullyShardedGradAccMixin', 'shard_module']
+__all__ = ['FullyShardedGradAccMixin', 'FullyShardedSync', 'shard_module']
 
 #: Classes that are FSDP units by default, wherever they are in the module.
 TRANSFORMER_BLOCKS = (torch.nn.TransformerEncoderLayer,
@@ -135,33 +136,86 @@ def shard_module(module, shard_classes=None, **kwargs):
 class _Steps:
     """The groups of micro-batches of this rank, one per step, with passes.
 
-    The groups of :class:`~skorch_gradacc.sharding.ShardedMicroBatchGroups`;
-    each gets ``passes``, the number of micro-batches that the rank with
-    the most has in the step (rank 0), which every rank runs.
+    Each group gets ``passes``: the number of micro-batches of the rank
+    with the most in the step, which every rank runs. For the groups of
+    :class:`~skorch_gradacc.sharding.ShardedMicroBatchGroups` that is rank
+    0's share of the step; for a loader sharded by its own sampler (a
+    :class:`~torch.utils.data.DistributedSampler`, which pads), the group's
+    size.
     """
 
-    def __init__(self, micro_batches, acc_steps, keep, device):
-        try:
-            self.count = len(micro_batches)
-        except TypeError:
-            raise ValueError(
-                "FullyShardedGradAccMixin needs a training iterator with a "
-                "length, so that every rank knows how many forward passes each "
-                "step takes; got {!r}.".format(micro_batches)) from None
-        self.world_size = dist.get_world_size()
-        self.per_step = acc_steps * self.world_size
-        self.groups = ShardedMicroBatchGroups(
-            micro_batches, acc_steps, rank=dist.get_rank(),
-            world_size=self.world_size, keep=keep, device=device)
+    def __init__(self, groups, micro_batches, acc_steps, world_size):
+        self.groups = groups
+        self.count = len(micro_batches)
+        self.world_size = world_size
+        self.per_step = acc_steps * world_size
 
     def __len__(self):
         return len(self.groups)
 
     def __iter__(self):
+        sharded = isinstance(self.groups, ShardedMicroBatchGroups)
         for step, group in enumerate(self.groups):
             items = min(self.per_step, self.count - step * self.per_step)
-            group.passes = -(-items // self.world_size)
+            group.passes = (-(-items // self.world_size) if sharded
+                            else group.size)
             yield group
+
+
+class FullyShardedSync(StepSync):
+    """The step protocol for a module sharded with ``fully_shard`` (FSDP2).
+
+    :meth:`~skorch_gradacc.distributed.StepSync.groups` and
+    :meth:`~skorch_gradacc.distributed.StepSync.end_step` are those of
+    every engine: the user's iterator sharded by micro-batch, and one
+    all-reduce of the step's item count, loss sum and rows, after which the
+    summed gradient (here: this rank's shard of it) is divided by the
+    count. Here, each group also learns its ``passes``, and
+    :meth:`context` turns FSDP's reduce-scatter on or off.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+      The module, sharded by ``fully_shard``.
+
+    process_group : ProcessGroup or None
+      The process group; None for the default one.
+
+    """
+
+    def __init__(self, module, process_group=None):
+        super().__init__(module, process_group=process_group, shard=True)
+
+    def groups(self, micro_batches, acc_steps, keep=False):
+        """Return this rank's groups, each with its number of ``passes``."""
+        try:
+            len(micro_batches)
+        except TypeError:
+            raise ValueError(
+                "FullyShardedGradAccMixin needs a training iterator with a "
+                "length, so that every rank knows how many forward passes each "
+                "step takes; got {!r}.".format(micro_batches)) from None
+        return _Steps(super().groups(micro_batches, acc_steps, keep=keep),
+                      micro_batches, acc_steps,
+                      dist.get_world_size(self.process_group))
+
+    def context(self, syncs):
+        """Reduce-scatter in this backward if ``syncs``, else accumulate."""
+        self.module.set_requires_gradient_sync(syncs)
+        return contextlib.nullcontext()
+
+    def set_unit(self, unit):
+        """Check that the gradient is that of the summed loss.
+
+        FSDP2 offers no hook to scale a rank's gradient before its
+        reduce-scatter, so the net weights each micro-batch's backward by
+        its item count instead: ``.grad`` is in units of one item (1), or of
+        a summed loss (None).
+        """
+        if unit not in (None, 1.0):
+            raise ValueError(
+                "FullyShardedSync sums gradients of summed losses; got "
+                "unit={!r}.".format(unit))
 
 
 class FullyShardedGradAccMixin:
@@ -320,6 +374,7 @@ class FullyShardedGradAccMixin:
         self._check_fsdp_params()
         super().initialize_module()
         if isinstance(self.module_, FSDPModule):
+            self.comm_state_ = FullyShardedSync(self.module_)
             return self
         # fully_shard moves each unit to the mesh's device as it shards it,
         # so that the whole module never has to fit there
@@ -328,38 +383,12 @@ class FullyShardedGradAccMixin:
             kwargs['mp_policy'] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.module_ = shard_module(self.module_, self.shard_classes, **kwargs)
+        self.comm_state_ = FullyShardedSync(self.module_)
         return self
 
     def _autocast(self):
         # mixed_precision='bf16' is FSDP's MixedPrecisionPolicy, not autocast
         return contextlib.nullcontext()
-
-    # The training iterator, sharded by micro-batch
-
-    def _collective_device(self):
-        """Where the collectives run: the device of the parameters."""
-        return next(self.module_.parameters()).device
-
-    def run_single_epoch(self, iterator, training, prefix, step_fn,
-                         **fit_params):
-        """Run skorch's epoch; in training, over this rank's share of each step.
-
-        The groups are those of :class:`~skorch_gradacc.sharding.
-        ShardedMicroBatchGroups`, as with
-        :class:`~skorch_gradacc.DistributedGradAccMixin`.
-        """
-        from skorch_gradacc.mixin import GradAccMixin  # it imports this module
-
-        if not training or iterator is None:
-            return super().run_single_epoch(
-                iterator, training, prefix, step_fn, **fit_params)
-        needed = self.get_train_outputs_needed()
-        self.keep_train_y_pred_ = needed['y_pred']
-        steps = _Steps(iterator, self.get_acc_steps(), keep=needed['batch'],
-                       device=self._collective_device())
-        # GradAccMixin's run_single_epoch would group the micro-batches again
-        return super(GradAccMixin, self).run_single_epoch(
-            steps, training, prefix, step_fn, **fit_params)
 
     # The step
 
@@ -390,9 +419,14 @@ class FullyShardedGradAccMixin:
         """Run the step's passes; reduce-scatter; normalize globally.
 
         ``.grad`` ends as this rank's shard of the gradient of the mean loss
-        over the step's items on all ranks. See the class docstring.
+        over the step's items on all ranks. Unlike
+        :class:`~skorch_gradacc.GradAccMixin`, which rescales ``.grad``
+        whenever the item count changes, each backward is weighted by its
+        count: FSDP2 keeps the unsharded gradient of a step in progress out
+        of reach, and a micro-batch without items must still run its pass.
+        See the class docstring.
         """
-        module = self.module_
+        sync = gradient_sync(self)
         keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
         losses, y_preds = [], []
         summed = None  # whether the loss is a sum (count_loss_items is None)
@@ -407,10 +441,12 @@ class FullyShardedGradAccMixin:
                     "but not for others; got {!r}.".format(count))
             weight = 1.0 if summed else float(count)
             total += weight
-            module.set_requires_gradient_sync(is_last or self.sync_each_batch)
+            if is_last:  # this backward reduce-scatters the step's sum
+                sync.set_unit(None if summed else 1.0)
             self.loss_weight_, self.loss_weighted_ = weight, False
             try:
-                step = self.train_step_single(piece, **fit_params)
+                with sync.context(is_last or self.sync_each_batch):
+                    step = self.train_step_single(piece, **fit_params)
             finally:
                 self.loss_weight_ = None
             if not self.loss_weighted_:
@@ -426,36 +462,13 @@ class FullyShardedGradAccMixin:
                 y_preds.append(detach_outputs(step['y_pred']))
             del step, piece  # frees the piece's graph and outputs
 
-        # the step's one small all-reduce: item count, loss sum and rows
         loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
-        values = torch.stack([
-            torch.as_tensor(value, dtype=torch.float64).to(
-                self._collective_device())
-            for value in (total, loss_sum, group.n_rows)])
-        dist.all_reduce(values)
-        global_total, global_loss, global_rows = values.tolist()
-        group.global_rows = int(global_rows)
-        if not summed and global_total:
-            self._scale_gradients(1.0 / global_total)
-        if summed:
-            loss = torch.tensor(global_loss, dtype=torch.float64)
-        elif global_total:
-            loss = torch.tensor(global_loss / global_total, dtype=torch.float64)
-        else:  # no item in the whole step: the mean is undefined
-            loss = torch.tensor(float('nan'))
+        # the step's one small all-reduce; the gradient shards are divided
+        loss = sync.end_step(self, group, total, loss_sum, summed)
         y_pred = None
         if y_preds:
             y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
         return {'loss': loss, 'y_pred': y_pred}
-
-    def _scale_gradients(self, factor):
-        """Multiply this rank's gradient shards in place."""
-        grads = [param.grad for _, param in self.get_all_learnable_params()
-                 if param.grad is not None]
-        grads = [grad.to_local() if hasattr(grad, 'to_local') else grad
-                 for grad in grads]
-        if grads:
-            torch._foreach_mul_(grads, factor)
 
     # Checkpoints: one full, unsharded copy
 
