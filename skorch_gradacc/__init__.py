@@ -12,7 +12,7 @@ from skorch_gradacc.callbacks import (
     GradAccLRScheduler,
     GradAccProgressBar,
 )
-from skorch_gradacc.distributed import DistributedGradAccMixin
+from skorch_gradacc.distributed import DistributedGradAccMixin, FullyShardedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,
@@ -27,6 +27,7 @@ __all__ = [
     'AccumGrad',
     'AccumulationScheduler',
     'DistributedGradAccMixin',
+    'FullyShardedGradAccMixin',
     'GradAccLRScheduler',
     'GradAccMixin',
     'GradAccProgressBar',

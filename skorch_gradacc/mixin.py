@@ -392,10 +392,13 @@ class GradAccMixin(StepDecisionMixin):
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
             self.keep_train_y_pred_ = needed['y_pred']
-            iterator = MicroBatchGroups(iterator, self.get_acc_steps(),
-                                        keep=needed['batch'])
-            if gradient_sync(self) is not None:
-                _check_has_length(iterator)
+            sync = gradient_sync(self)
+            if sync is None:
+                iterator = MicroBatchGroups(iterator, self.get_acc_steps(),
+                                            keep=needed['batch'])
+            else:  # this rank's share of each step
+                iterator = sync.groups(iterator, self.get_acc_steps(),
+                                       keep=needed['batch'])
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
 
@@ -594,11 +597,8 @@ class GradAccMixin(StepDecisionMixin):
                 else:
                     zero_grads_held = True
                 total += count
-            if syncs:
-                # the all-reduce of this backward normalizes, over all ranks
-                global_total = sync.global_count(total)
-                sync.factor = (unit / global_total
-                               if not summed and unit and global_total else 1.0)
+            if syncs:  # this backward sums the gradient over all ranks
+                sync.set_unit(None if summed else (unit or 0.0))
             with (contextlib.nullcontext() if sync is None
                   else sync.context(syncs)):
                 step = self._run_scaled(self.train_step_single, piece,
@@ -612,13 +612,16 @@ class GradAccMixin(StepDecisionMixin):
 
         if sync is None and unit is not None and unit != total:
             self._scale_gradients(unit / total)
-        self._unscale_gradients()  # callbacks see true gradients
-        if summed:
+        if sync is not None:  # over all ranks: normalize, and the mean loss
+            loss = sync.end_step(self, group, total, torch.stack(
+                losses).sum() if losses else torch.zeros(()), summed)
+        elif summed:
             loss = torch.stack(losses).sum()
         elif total:
             loss = torch.stack(losses).sum() / total
         else:  # no item in the whole group: the mean is undefined
             loss = torch.tensor(float('nan'))
+        self._unscale_gradients()  # callbacks see true gradients
         y_pred = None
         if y_preds:
             y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
@@ -756,16 +759,6 @@ def grad_acc_params_doc():
 def _is_positive_int(value):
     return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
             and value >= 1)
-
-
-def _check_has_length(groups):
-    try:
-        len(groups)
-    except TypeError:
-        raise ValueError(
-            "Data-parallel training needs a training iterator with a length, "
-            "so that every rank knows which micro-batch ends a group; an "
-            "IterableDataset without __len__ cannot be used.") from None
 
 
 def _combined_signature(cls):

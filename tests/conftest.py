@@ -172,9 +172,9 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
 # quick inner loop. CI runs everything.
 SLOW_MODULES = {
     'test_benchmarks', 'test_dask', 'test_demo', 'test_distributed',
-    'test_docs', 'test_notebooks', 'test_packaging', 'test_properties',
-    'test_readme', 'test_sklearn_checks', 'test_skorch_suite',
-    'test_stream_memory', 'test_transformers_recipe',
+    'test_docs', 'test_fully_sharded', 'test_notebooks', 'test_packaging',
+    'test_properties', 'test_readme', 'test_sklearn_checks',
+    'test_skorch_suite', 'test_stream_memory', 'test_transformers_recipe',
 }
 
 

@@ -1,8 +1,9 @@
 """Data-parallel training with real processes: 2 ranks, gloo, on the CPU.
 
 torchrun starts tests/distributed/ddp_worker.py twice; the ranks save what
-they ended with, and the test compares it with the single-process net with
-``batch_size * acc_steps * world_size``.
+they ended with, and the test compares it with plain skorch in one process
+with ``batch_size * acc_steps * world_size`` (the unions of ``acc_steps *
+world_size`` consecutive micro-batches), in float64.
 """
 
 import os
@@ -15,74 +16,148 @@ import pytest
 import torch
 from skorch import NeuralNet, NeuralNetClassifier
 from test_normalization import IGNORE, TokenTagger, token_data
+from test_streaming import (
+    BucketSampler,
+    SequenceDataset,
+    StreamedBatches,
+    TokenCrossEntropy,
+    TokenLM,
+    UnionSampler,
+    pad,
+    ready_batches,
+    sequences,
+)
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
 WORKER = Path(__file__).parent / 'distributed' / 'ddp_worker.py'
 LATE_RELEASE = Path(__file__).parent / 'distributed' / 'late_release.py'
 WORLD_SIZE, BATCH_SIZE, ACC_STEPS = 2, 8, 3
+STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
+              lr=0.01)
 TIME_LIMIT = 240
 
 
-def torchrun(out_dir, scenario):
+def torchrun(out_dir, scenario, nproc=WORLD_SIZE, backend='gloo'):
     env = dict(os.environ, OMP_NUM_THREADS='1')
     return subprocess.run(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nnodes', '1', '--nproc_per_node', str(WORLD_SIZE), str(WORKER),
-         str(out_dir), scenario],
+         '--nnodes', '1', '--nproc_per_node', str(nproc), str(WORKER),
+         str(out_dir), scenario, backend],
         capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
 
 
-def run_ranks(tmp_path, scenario):
-    proc = torchrun(tmp_path, scenario)
+def run_ranks(tmp_path, scenario, nproc=WORLD_SIZE, backend='gloo'):
+    proc = torchrun(tmp_path, scenario, nproc=nproc, backend=backend)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(tmp_path / 'rank{}.pt'.format(rank))
-            for rank in range(WORLD_SIZE)]
+            for rank in range(nproc)]
 
 
-def single_process(net_cls, X, y, **kwargs):
+def single_process(net_cls, X, y=None, **kwargs):
+    """Plain skorch in one process at ``batch_size * acc_steps * W``."""
+    kwargs.setdefault('batch_size', BATCH_SIZE * ACC_STEPS * WORLD_SIZE)
     torch.manual_seed(0)
-    net = net_cls(batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, max_epochs=2,
-                  train_split=None, verbose=0, optimizer__momentum=0.9,
-                  **kwargs)
+    net = net_cls(max_epochs=2, train_split=None, verbose=0, **kwargs)
     return net.fit(X, y)
 
 
 def assert_params_equal(state, net, atol=PARAM_ATOL):
     for key, value in net.module_.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=0, atol=atol)
+        torch.testing.assert_close(state[key], value.cpu(), rtol=0, atol=atol)
+
+
+def assert_same_as_single_process(ranks, net):
+    """Each rank ends with the single process's parameters and history."""
+    for rank in ranks:
+        assert_params_equal(rank['params'], net)
+        np.testing.assert_allclose(rank['train_loss'],
+                                   net.history[:, 'train_loss'], rtol=1e-10)
+        assert rank['batch_sizes'] == net.history[
+            :, 'batches', :, 'train_batch_size']
+        assert rank['allreduces'] == rank['steps']  # not one per micro-batch
+
+
+def classifier(n_samples, **kwargs):
+    X, y = classification_data(n_samples)
+    return single_process(NeuralNetClassifier, X, y, module=MLPClassifier,
+                          lr=0.1, optimizer__momentum=0.9, **kwargs)
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)
-def test_samples_match_single_process_with_one_allreduce_per_step(tmp_path):
+def test_rows_that_fill_no_whole_step_leave_a_rank_empty(tmp_path):
     ranks = run_ranks(tmp_path, 'samples')
-    # 202 samples, 101 per rank: groups of 24 rows per rank, the last of 5
-    for rank in ranks:
-        assert rank['steps'] == 2 * 5
-        assert rank['allreduces'] == rank['steps']  # not one per micro-batch
-        assert rank['micro_batches'] == 2 * 13
+    # 195 rows: 25 micro-batches of 8 rows but the last (3); 5 steps of 6
+    # micro-batches per epoch, the last of one: rank 1 trains on zero rows
+    assert [rank['steps'] for rank in ranks] == [2 * 5, 2 * 5]
+    assert [rank['micro_batches'] for rank in ranks] == [2 * 13, 2 * 12]
+    assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 195  # each row once
     for key, value in ranks[0]['params'].items():
         assert torch.equal(value, ranks[1]['params'][key])  # identical ranks
-    X, y = classification_data(202)
-    net = single_process(NeuralNetClassifier, X, y, module=MLPClassifier,
-                         lr=0.1)
-    assert_params_equal(ranks[0]['params'], net)
+    assert_same_as_single_process(ranks, classifier(195))
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_shuffled_data_over_two_epochs(tmp_path):
+    # every rank draws rank 0's order: that of the single process
+    ranks = run_ranks(tmp_path, 'shuffle')
+    assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 203
+    assert_same_as_single_process(
+        ranks, classifier(203, iterator_train__shuffle=True))
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(tmp_path):
-    # token counts differ between ranks in every group; averaging the ranks'
+    # token counts differ between ranks in every step; averaging the ranks'
     # means (DDP's default) would not give the large batch's mean
     ranks = run_ranks(tmp_path, 'tokens')
     X, y = token_data(100)
-    counts = [(y[rank::WORLD_SIZE][:24] != IGNORE).sum()
+    counts = [(y[rank * BATCH_SIZE:(rank + 1) * BATCH_SIZE] != IGNORE).sum()
               for rank in range(WORLD_SIZE)]
     assert counts[0] != counts[1]
     net = single_process(NeuralNet, X, y, module=TokenTagger,
                          criterion=torch.nn.CrossEntropyLoss,
-                         criterion__ignore_index=IGNORE, lr=0.5)
-    assert_params_equal(ranks[0]['params'], net)
-    assert_params_equal(ranks[1]['params'], net)
+                         criterion__ignore_index=IGNORE, lr=0.5,
+                         optimizer__momentum=0.9)
+    assert_same_as_single_process(ranks, net)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_bucketing_batch_sampler_with_dynamic_padding(tmp_path):
+    # micro-batches of 4 sequences of similar lengths, padded to their own
+    # longest; the reference's batches are the unions of 6 consecutive ones
+    ranks = run_ranks(tmp_path, 'bucket')
+    seqs = sequences()
+    net = single_process(
+        NeuralNet, SequenceDataset(seqs), module=TokenLM, batch_size=1,
+        iterator_train__batch_sampler=UnionSampler(
+            BucketSampler(seqs, 4), ACC_STEPS * WORLD_SIZE),
+        iterator_train__collate_fn=pad, **STREAM)
+    assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * len(seqs)
+    assert_same_as_single_process(ranks, net)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_iterable_dataset_of_micro_batches(tmp_path):
+    # no length: every rank reads the stream and keeps its own micro-batches
+    ranks = run_ranks(tmp_path, 'iterable')
+    net = single_process(
+        NeuralNet, StreamedBatches(ready_batches(ACC_STEPS * WORLD_SIZE)),
+        module=TokenLM, batch_size=None, **STREAM)
+    assert_same_as_single_process(ranks, net)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_nccl_on_every_gpu_matches_single_process(tmp_path):
+    # NCCL refuses collectives on CPU tensors: the count, loss and rows of
+    # each step must be all-reduced on the gradients' device
+    n_gpus = torch.cuda.device_count()
+    ranks = run_ranks(tmp_path, 'samples', nproc=n_gpus, backend='nccl')
+    assert sum(rank['rows'] for rank in ranks) == 2 * 195
+    assert_same_as_single_process(
+        ranks, classifier(195, batch_size=BATCH_SIZE * ACC_STEPS * n_gpus))
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)
@@ -98,14 +173,12 @@ def test_a_failing_rank_does_not_hang(tmp_path):
 def test_accelerate_mixin_under_torchrun(tmp_path):
     pytest.importorskip('accelerate')
     ranks = run_ranks(tmp_path, 'accelerate')
-    # 192 samples: the prepared loader hands out groups of 24 rows to the
-    # ranks in turn, 4 per rank and epoch
+    # 192 samples: the prepared loader hands the batches of 8 rows to the
+    # ranks in turn, 12 per rank and epoch: 4 steps of 3
     for rank in ranks:
         assert rank['steps'] == 2 * 4
         assert rank['allreduces'] == rank['steps']
-    X, y = classification_data(192)
-    net = single_process(NeuralNetClassifier, X, y, module=MLPClassifier,
-                         lr=0.1)
+    net = classifier(192)
     assert_params_equal(ranks[0]['params'], net)
     assert_params_equal(ranks[1]['params'], net)
 
@@ -133,3 +206,62 @@ def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
     for rank in range(WORLD_SIZE):
         assert 'rank {} watches its comm hook'.format(rank) in out
     assert (tmp_path / 'params.pt').exists()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Micro-batches of a tensor, without a length."""
+
+    def __init__(self, data, size):
+        self.data, self.size = data, size
+
+    def __iter__(self):
+        for start in range(0, len(self.data), self.size):
+            yield self.data[start:start + self.size]
+
+
+@pytest.mark.parametrize('iterable', [False, True])
+@pytest.mark.parametrize('n_rows', [1, 5, 16, 23, 49])
+@pytest.mark.parametrize('world_size, acc_steps', [(2, 1), (2, 3), (3, 2)])
+def test_the_ranks_share_the_steps_of_one_process_with_more_acc_steps(
+        iterable, n_rows, world_size, acc_steps):
+    # W ranks with acc_steps=k: step s of rank r holds the micro-batches r,
+    # r + W, ... of step s of one process with acc_steps=k * W; a rank
+    # without one holds zero rows
+    from torch.utils.data import DataLoader
+
+    from skorch_gradacc.grouping import MicroBatchGroups
+    from skorch_gradacc.sharding import ShardedMicroBatchGroups
+
+    data = torch.arange(float(n_rows))
+    loader = (DataLoader(Stream(data, 2), batch_size=None) if iterable
+              else DataLoader(data, batch_size=2))
+    single = [[micro.tolist() for micro in group.micro_batches()]
+              for group in MicroBatchGroups(loader, acc_steps * world_size)]
+    ranks = [[[micro.tolist() for micro in group.micro_batches()]
+              for group in ShardedMicroBatchGroups(
+                  loader, acc_steps, rank, world_size, sync_rng=False)]
+             for rank in range(world_size)]
+    for rank, steps in enumerate(ranks):
+        assert len(steps) == len(single)
+        for step, group in zip(steps, single):
+            assert step == (group[rank::world_size] or [[]])
+
+
+@pytest.mark.timeout(600)
+def test_gpu_checks_dry_run():
+    # benchmarks/gpu_checks.py runs on a GPU only when one is lent; its dry
+    # run on the CPU keeps it from rotting in between
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent.parent / 'benchmarks'
+                             / 'gpu_checks.py'), '--dry-run'],
+        capture_output=True, text=True, timeout=540,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split(' | ') for line in proc.stdout.splitlines()
+            if line.startswith('| ') and not line.startswith('| check')]
+    statuses = {row[0][2:]: row[1] for row in rows}
+    assert statuses == {
+        'cuda tests': 'not run', 'fp16': 'pass', 'bf16': 'pass',
+        'auto OOM': 'not run', 'LM memory': 'not run',
+        'NCCL, world size 1': 'not run', 'sync-free step': 'not run'}
+    assert 'gloo with one rank matched' in proc.stdout

@@ -322,7 +322,8 @@ def test_api_names_every_parameter_of_every_net():
 
 def test_allreduces_per_step_are_as_documented(tmp_path, monkeypatch):
     """scaling_out.rst: per optimizer step, one gradient all-reduce per DDP
-    bucket (one for a small model) and one all-reduce of the item count."""
+    bucket (one for a small model) and one all-reduce of three numbers:
+    the item count, the loss sum and the rows."""
     import torch.distributed as dist
     from sklearn.datasets import make_classification
 
@@ -356,7 +357,7 @@ def test_allreduces_per_step_are_as_documented(tmp_path, monkeypatch):
     steps = sum(net.history[:, 'train_batch_count'])
     assert steps == 2 * 9  # ceil(202 / 24) steps an epoch
     assert net.comm_state_.allreduces == steps  # one bucket
-    assert sizes.count(1) == steps  # the group's item count, one number
+    assert sizes.count(3) == steps  # item count, loss sum and rows
     assert sizes.count(10 * 2 + 2) == steps  # the gradient bucket
     assert len(sizes) == 2 * steps
 

@@ -1,13 +1,22 @@
 """One rank of a data-parallel fit; started by tests/test_distributed.py
-with ``torchrun --nproc_per_node 2``.
+with ``torchrun --nproc_per_node 2`` (or by benchmarks/gpu_checks.py with
+``--nproc_per_node 1`` and the backend ``nccl``).
 
-Usage: ddp_worker.py OUT_DIR SCENARIO, where SCENARIO is ``samples`` (a
-classifier, partial last group), ``tokens`` (a token-level loss whose item
-counts differ between ranks), ``accelerate`` (skorch's AccelerateMixin
-composed with GradAccMixin) or ``raise`` (rank 1 fails in its first step).
-Each rank saves its parameters and counters to OUT_DIR/rank{r}.pt.
+Usage: ddp_worker.py OUT_DIR SCENARIO [BACKEND], where SCENARIO is one of
+
+* ``samples``: a classifier on 195 rows, ``batch_size=8``: 25
+  micro-batches, the last of 3 rows, so rank 1 has none in the last step;
+* ``shuffle``: 203 rows with ``iterator_train__shuffle=True``;
+* ``tokens``: a token-level loss whose item counts differ between ranks;
+* ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
+* ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
+* ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
+* ``raise``: rank 1 fails in its first step.
+
+Each rank saves its parameters, history and counters to OUT_DIR/rank{r}.pt.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +28,17 @@ sys.path.insert(0, str(TESTS))
 
 from skorch import NeuralNetClassifier  # noqa: E402
 from test_normalization import IGNORE, TokenTagger, token_data  # noqa: E402
+from test_streaming import (  # noqa: E402
+    BucketSampler,
+    SequenceDataset,
+    StreamedBatches,
+    TokenCrossEntropy,
+    TokenLM,
+    TokenMixin,
+    pad,
+    ready_batches,
+    sequences,
+)
 
 from skorch_gradacc import (  # noqa: E402
     GradAccMixin,
@@ -30,16 +50,34 @@ from skorch_gradacc.distributed import DistributedGradAccMixin  # noqa: E402
 from conftest import MLPClassifier, classification_data  # noqa: E402
 
 BATCH_SIZE, ACC_STEPS = 8, 3
+N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195}
 
 
-class DDPClassifier(DistributedGradAccMixin, GradAccNeuralNetClassifier):
+class CountsMicroBatches:
+    """Counts the micro-batches (with rows) this rank trains on."""
+
+    def train_step_single(self, batch, **fit_params):
+        rows = len(batch[0])
+        self.micro_batches_ = getattr(self, 'micro_batches_', 0) + bool(rows)
+        self.rows_ = getattr(self, 'rows_', 0) + rows
+        return super().train_step_single(batch, **fit_params)
+
+
+class DDPClassifier(CountsMicroBatches, DistributedGradAccMixin,
+                    GradAccNeuralNetClassifier):
     pass
 
 
-class DDPTokenNet(DistributedGradAccMixin, GradAccNeuralNet):
+class DDPTokenNet(CountsMicroBatches, DistributedGradAccMixin,
+                  GradAccNeuralNet):
     def count_loss_items(self, batch):
         _, y = batch
         return int((y != IGNORE).sum())
+
+
+class DDPTokenLMNet(CountsMicroBatches, TokenMixin, DistributedGradAccMixin,
+                    GradAccNeuralNet):
+    pass
 
 
 class FailingMLP(MLPClassifier):
@@ -61,8 +99,8 @@ def make_accelerated_net(**common):
     from accelerate import Accelerator
     from skorch.hf import AccelerateMixin
 
-    class AcceleratedGradAccNet(AccelerateMixin, GradAccMixin,
-                                NeuralNetClassifier):
+    class AcceleratedGradAccNet(CountsMicroBatches, AccelerateMixin,
+                                GradAccMixin, NeuralNetClassifier):
         pass
 
     return AcceleratedGradAccNet(
@@ -71,38 +109,65 @@ def make_accelerated_net(**common):
         lr=0.1, **common)
 
 
-def make_net(scenario, rank):
+STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
+              lr=0.01)
+
+
+def make_net_and_data(scenario, rank, device):
+    """The rank's net and the data to fit it on: (net, X, y)."""
     common = dict(batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=2,
-                  train_split=None, verbose=0, optimizer__momentum=0.9)
+                  train_split=None, verbose=0, device=device)
     if scenario == 'tokens':
         return DDPTokenNet(
             TokenTagger, criterion=torch.nn.CrossEntropyLoss,
-            criterion__ignore_index=IGNORE, lr=0.5, **common)
+            criterion__ignore_index=IGNORE, lr=0.5, optimizer__momentum=0.9,
+            **common), *token_data(100)
+    if scenario == 'bucket':
+        seqs = sequences()
+        return DDPTokenLMNet(
+            TokenLM, iterator_train__batch_size=1,
+            iterator_train__batch_sampler=BucketSampler(seqs, 4),
+            iterator_train__collate_fn=pad, **STREAM,
+            **common), SequenceDataset(seqs), None
+    if scenario == 'iterable':
+        return DDPTokenLMNet(
+            TokenLM, iterator_train__batch_size=None, **STREAM,
+            **common), StreamedBatches(ready_batches()), None
+    common['optimizer__momentum'] = 0.9
     if scenario == 'accelerate':
-        return make_accelerated_net(**common)
+        del common['device']  # the accelerator places the module
+        return make_accelerated_net(**common), *classification_data(192)
     module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
-    return DDPClassifier(module, lr=0.1, **common)
+    return DDPClassifier(
+        module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
+        **common), *classification_data(N_SAMPLES[scenario])
 
 
-def main(out_dir, scenario):
+def main(out_dir, scenario, backend='gloo'):
+    device = 'cpu'
     if scenario != 'accelerate':  # the accelerator sets up the processes
-        dist.init_process_group('gloo')
-    X, y = {'tokens': lambda: token_data(100),
-            'accelerate': lambda: classification_data(192)}.get(
-                scenario, lambda: classification_data(202))()
+        dist.init_process_group(backend)
+        if backend == 'nccl':
+            device = 'cuda:{}'.format(dist.get_rank())
+            torch.cuda.set_device(device)
+    rank = int(os.environ['RANK'])  # set by torchrun
     torch.manual_seed(0)  # the same initial weights on every rank
-    net = make_net(scenario, dist.get_rank() if dist.is_initialized() else 0)
-    rank = dist.get_rank()
+    net, X, y = make_net_and_data(scenario, rank, device)
     net.fit(X, y)
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
     torch.save({
-        'params': module.state_dict(),
+        'params': {key: value.cpu()
+                   for key, value in module.state_dict().items()},
         'allreduces': net.comm_state_.allreduces,
         'steps': sum(net.history[:, 'train_batch_count']),
-        'micro_batches': sum(-(-row['train_batch_size'] // BATCH_SIZE)
-                             for row in net.history[:, 'batches'][0]
-                             + net.history[:, 'batches'][1]),
+        'micro_batches': net.micro_batches_,
+        'rows': net.rows_,
+        'train_loss': [float(loss) for loss in net.history[:, 'train_loss']],
+        'batch_losses': [[float(loss) for loss in losses] for losses in
+                         net.history[:, 'batches', :, 'train_loss']],
+        'batch_sizes': [[int(size) for size in sizes] for sizes in
+                        net.history[:, 'batches', :, 'train_batch_size']],
     }, Path(out_dir) / 'rank{}.pt'.format(rank))
     # the comm hook runs no Python code on gloo's threads: nothing is left
     # to free there when the process exits
@@ -110,4 +175,4 @@ def main(out_dir, scenario):
 
 
 if __name__ == '__main__':
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -1,0 +1,318 @@
+"""Fully sharded data parallel (FSDP2) with real processes: 2 gloo ranks.
+
+torchrun starts tests/distributed/fsdp_worker.py twice; rank 0 writes the
+net's full checkpoint with ``save_params``, and the tests compare it with
+plain skorch in one process with ``batch_size * acc_steps * world_size``.
+"""
+
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import make_classification
+from skorch import NeuralNet, NeuralNetClassifier
+from skorch.callbacks import GradientNormClipping
+from skorch.history import History
+from test_normalization import IGNORE, TokenTagger, token_data
+
+from skorch_gradacc import FullyShardedGradAccMixin, GradAccNeuralNetClassifier
+from skorch_gradacc.fully_sharded import units_of
+
+from conftest import DTYPE, PARAM_ATOL, classification_data
+
+DISTRIBUTED = Path(__file__).parent / 'distributed'
+sys.path.insert(0, str(DISTRIBUTED))
+
+from fsdp_worker import (  # noqa: E402
+    ACC_STEPS,
+    BATCH_SIZE,
+    CLIP_NORM,
+    N_SAMPLES,
+    N_TOKEN_SAMPLES,
+    sequential_classifier,
+)
+
+WORKER = DISTRIBUTED / 'fsdp_worker.py'
+WORLD_SIZE = 2
+TIME_LIMIT = 240
+
+
+def torchrun(out_dir, scenario, script=WORKER, nproc=WORLD_SIZE):
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    return subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nnodes', '1', '--nproc_per_node', str(nproc), str(script),
+         str(out_dir), scenario],
+        capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
+
+
+def run_ranks(tmp_path, scenario, nproc=WORLD_SIZE):
+    proc = torchrun(tmp_path, scenario, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(tmp_path / 'rank{}.pt'.format(rank))
+            for rank in range(nproc)]
+
+
+def single_process(net_cls, X, y, max_epochs=2, world_size=WORLD_SIZE,
+                   **kwargs):
+    torch.manual_seed(0)
+    net = net_cls(batch_size=BATCH_SIZE * ACC_STEPS * world_size,
+                  max_epochs=max_epochs,
+                  train_split=None, verbose=0, optimizer__momentum=0.9,
+                  **kwargs)
+    return net.fit(X, y)
+
+
+def plain_classifier(max_epochs=2, world_size=WORLD_SIZE, **kwargs):
+    X, y = classification_data(N_SAMPLES)
+    return single_process(NeuralNetClassifier, X, y, max_epochs=max_epochs,
+                          world_size=world_size, module=sequential_classifier,
+                          lr=0.1, **kwargs)
+
+
+def assert_params_equal(state, net, atol=PARAM_ATOL):
+    expected = net.module_.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert not hasattr(state[key], 'to_local')  # full, not sharded
+        torch.testing.assert_close(state[key], value, rtol=0, atol=atol)
+
+
+def train_losses(history, key='train_loss'):
+    return [row[key] for epoch in history[:, 'batches'] for row in epoch]
+
+
+def assert_losses_equal(ranks, net):
+    # the mean over all ranks, and the rows of the step over all ranks
+    expected = train_losses(net.history)
+    for rank in ranks:
+        np.testing.assert_allclose(rank['train_losses'], expected, rtol=1e-10)
+        assert rank['train_batch_sizes'] == train_losses(
+            net.history, 'train_batch_size')
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+@pytest.mark.parametrize('scenario', ['samples', 'samples_each'])
+def test_samples_match_single_process(tmp_path, scenario):
+    # 195 rows: 25 micro-batches of 8, 13 on rank 0 and 12 on rank 1; in
+    # each epoch's last step rank 0 has one and rank 1 none
+    ranks = run_ranks(tmp_path, scenario)
+    net = plain_classifier()
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)  # the mean over all ranks, on each
+    n_params = sum(param.numel() for param in net.module_.parameters())
+    assert sum(rank['shard_numel'] for rank in ranks) == n_params
+    assert all(rank['shard_numel'] < n_params for rank in ranks)
+    assert [rank['units'] for rank in ranks] == [4, 4]  # 3 Linear + root
+    assert all(rank['forward_dtypes'] == {DTYPE} for rank in ranks)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_gradient_clipping_sees_the_whole_gradient(tmp_path):
+    # skorch's GradientNormClipping, on_grad_computed, clips the sharded
+    # gradient by the norm of the whole one, as in the single process
+    ranks = run_ranks(tmp_path, 'clip')
+    state = torch.load(tmp_path / 'params.pt')
+    net = plain_classifier(callbacks=[GradientNormClipping(CLIP_NORM)])
+    assert_params_equal(state, net)
+    assert_losses_equal(ranks, net)
+    unclipped = plain_classifier().module_.state_dict()
+    assert max((state[key] - value).abs().max()
+               for key, value in unclipped.items()) > 1e-2
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_bf16_is_fsdp_mixed_precision(tmp_path):
+    # bf16 parameters in the forward pass, float64 shards, fp32 reductions
+    ranks = run_ranks(tmp_path, 'bf16')
+    for rank in ranks:
+        assert rank['forward_dtypes'] == {torch.bfloat16}
+        assert rank['shard_dtypes'] == {DTYPE}
+    net = plain_classifier()
+    state = torch.load(tmp_path / 'params.pt')
+    assert all(value.dtype == DTYPE for value in state.values())
+    # to bf16's precision, not float64's
+    assert_params_equal(state, net, atol=5e-2)
+    np.testing.assert_allclose(ranks[0]['train_losses'],
+                               train_losses(net.history), rtol=5e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_cuda_nccl_matches_single_process(tmp_path):
+    # one rank per GPU (at most 2), NCCL; the CPU's single process is the
+    # reference, also with one GPU (then: world size 1)
+    nproc = min(torch.cuda.device_count(), WORLD_SIZE)
+    ranks = run_ranks(tmp_path, 'cuda', nproc=nproc)
+    net = plain_classifier(world_size=nproc)
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+    for rank, figures in enumerate(ranks):
+        print('rank {}: torch.cuda.max_memory_allocated = {} bytes'.format(
+            rank, figures['max_memory_allocated']))
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_uneven_item_counts_are_normalized_globally(tmp_path):
+    # shuffled; 117 rows: 15 micro-batches, so in each epoch's last step
+    # rank 0 has two and rank 1 one, and a zero-row pass
+    ranks = run_ranks(tmp_path, 'tokens')
+    X, y = token_data(N_TOKEN_SAMPLES)
+    counts = [(y[rank * BATCH_SIZE:(rank + 1) * BATCH_SIZE] != IGNORE).sum()
+              for rank in range(WORLD_SIZE)]
+    assert counts[0] != counts[1]
+    net = single_process(NeuralNet, X, y, module=TokenTagger,
+                         criterion=torch.nn.CrossEntropyLoss,
+                         criterion__ignore_index=IGNORE, lr=0.5,
+                         iterator_train__shuffle=True)
+    assert train_losses(net.history, 'train_batch_size')[-1] == 117 - 96
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_checkpoint_resumes_and_loads_into_a_plain_net(tmp_path):
+    # one epoch, save_params, a new net with other weights load_params and
+    # trains the second epoch: as two epochs without a break
+    ranks = run_ranks(tmp_path, 'resume')
+    net = plain_classifier()
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+    assert len(History.from_file(tmp_path / 'history.json')) == 2
+
+    # the checkpoint after one epoch is a plain net's, optimizer included
+    optimizer_state = torch.load(tmp_path / 'epoch1_optimizer.pt')
+    assert sorted(optimizer_state['state']) == list(range(6))
+    X, y = classification_data(N_SAMPLES)
+    plain = NeuralNetClassifier(
+        sequential_classifier, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE,
+        max_epochs=1, lr=0.1,
+        optimizer__momentum=0.9, train_split=None, verbose=0).initialize()
+    plain.load_params(f_params=tmp_path / 'epoch1_params.pt',
+                      f_optimizer=tmp_path / 'epoch1_optimizer.pt',
+                      f_history=tmp_path / 'epoch1_history.json')
+    plain.partial_fit(X, y)
+    for key, value in plain.module_.state_dict().items():
+        torch.testing.assert_close(value, net.module_.state_dict()[key],
+                                   rtol=0, atol=PARAM_ATOL)
+
+
+class FSDPNet(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
+    pass
+
+
+class TestUnits:
+    """Which submodules fully_shard makes units of: no processes needed."""
+
+    def test_plain_sequential_shards_each_layer_with_parameters(self):
+        module = sequential_classifier()
+        assert units_of(module) == [module[0], module[2], module[4]]
+
+    def test_transformer_shards_its_layers(self):
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(10, 8)
+                self.encoder = torch.nn.TransformerEncoder(
+                    torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 3)
+                self.head = torch.nn.Linear(8, 10)
+
+        model = Model()
+        assert units_of(model) == list(model.encoder.layers)
+
+    def test_hugging_face_blocks_from_no_split_modules(self):
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attention = torch.nn.Linear(4, 4)
+                self.mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+        class Model(torch.nn.Module):
+            _no_split_modules = ['Block']
+
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList([Block(), Block()])
+                self.head = torch.nn.Sequential(torch.nn.Linear(4, 2))
+
+        model = Model()
+        assert units_of(model) == list(model.layers)
+
+    def test_named_classes_are_sharded_outermost_first(self):
+        module = torch.nn.Sequential(
+            torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
+            torch.nn.Linear(2, 2))
+        assert units_of(module, ['Linear']) == [
+            module[0][0], module[0][1], module[1]]
+        assert units_of(module, [torch.nn.Sequential]) == [module[0]]
+
+
+class TestValidation:
+    @pytest.mark.parametrize('params, message', [
+        ({'sync_each_batch': 1},
+         "sync_each_batch must be True or False, got 1 instead."),
+        ({'shard_classes': 'Linear'},
+         "shard_classes must be None or a list of module classes or class "
+         "names, got 'Linear' instead."),
+        ({'micro_batch_size': 4},
+         "micro_batch_size must be None with FullyShardedGradAccMixin, got 4: "
+         "every rank must run the same forward passes."),
+        ({'skip_nonfinite': True},
+         "skip_nonfinite must be False with FullyShardedGradAccMixin, got "
+         "True: each rank sees only its own gradient shard."),
+        ({'mixed_precision': 'fp16'},
+         "mixed_precision must be None or 'bf16' with "
+         "FullyShardedGradAccMixin, got 'fp16': 'bf16' uses FSDP's "
+         "MixedPrecisionPolicy, and 'fp16' would need a sharded GradScaler."),
+    ])
+    def test_bad_parameters_are_refused_before_training(self, params,
+                                                        message):
+        net = FSDPNet(sequential_classifier, **params)
+        with pytest.raises(ValueError) as excinfo:
+            net.initialize()
+        assert str(excinfo.value) == message
+
+    def test_a_process_group_is_needed(self):
+        with pytest.raises(RuntimeError, match='start the script with torchrun'):
+            FSDPNet(sequential_classifier).initialize()
+
+    def test_parameters_are_in_the_signature(self):
+        params = FSDPNet(sequential_classifier).get_params()
+        assert params['shard_classes'] is None
+        assert params['sync_each_batch'] is False
+        assert params['acc_steps'] == 1
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
+    # the docs' train_fsdp.py is a literal block, run here as the page says;
+    # a plain net in this process loads its checkpoint and predicts what
+    # every rank printed
+    text = (Path(__file__).parent.parent / 'docs' / 'scaling_out.rst').read_text()
+    start = text.index('``train_fsdp.py``::') + len('``train_fsdp.py``::')
+    block = text[start:text.index('and run it like the DDP script')]
+    script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
+    (tmp_path / 'train_fsdp.py').write_text(script + '\n')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nproc_per_node', str(WORLD_SIZE), 'train_fsdp.py'],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIME_LIMIT,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+
+    recipe = runpy.run_path(str(tmp_path / 'train_fsdp.py'))
+    X, _ = make_classification(2000, 20, random_state=0)
+    plain = NeuralNetClassifier(recipe['mlp'], optimizer=torch.optim.Adam)
+    plain.initialize().load_params(f_params=tmp_path / 'params.pt',
+                                   f_optimizer=tmp_path / 'optimizer.pt')
+    assert len(plain.optimizer_.state) == 6  # Adam's state for 6 tensors
+    predicted = str(plain.predict(X[:5].astype('float32')))
+    assert proc.stdout.count(predicted + '\n') == WORLD_SIZE, (
+        predicted, proc.stdout)
