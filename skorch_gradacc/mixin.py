@@ -39,6 +39,7 @@ from skorch_gradacc.batching import (
 from skorch_gradacc.callbacks import GradAccLRScheduler, GradAccProgressBar
 from skorch_gradacc.distributed import gradient_sync
 from skorch_gradacc.grouping import MicroBatchGroup, MicroBatchGroups
+from skorch_gradacc.item_counts import ItemCounts, scale_gradients
 from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
 __all__ = ['GradAccMixin']
@@ -561,64 +562,35 @@ class GradAccMixin(StepDecisionMixin):
     def _accumulate_gradients(self, group, **fit_params):
         sync = gradient_sync(self)
         keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
-        losses, y_preds = [], []
-        summed = None  # whether the loss is a sum (count_loss_items is None)
-        unit = None  # the count that .grad is in units of, once items are seen
-        total = 0.0  # the group's item count on this process
-        zero_grads_held = False  # .grad holds gradients of item-less pieces
+        y_preds = []
+        counts = ItemCounts(self._scale_gradients, self._zero_grad_optimizer)
 
         for piece, is_last in self._pieces(group):
-            count = self.count_loss_items(piece)
-            if summed is None:
-                summed = count is None
-            elif summed != (count is None):
-                raise ValueError(
-                    "count_loss_items returned None for some micro-batches "
-                    "but not for others; got {!r}.".format(count))
             syncs = sync is not None and is_last
-            if not summed:
-                count = float(count)
-                if count == 0 and unit is not None and not syncs:
-                    # adds nothing to the mean that the large batch takes
-                    if keep_y_pred:
-                        y_preds.append(self._infer_without_grad(
-                            piece, **fit_params))
-                    del piece
-                    continue
-                if count and unit is None and zero_grads_held:
-                    self._zero_grad_optimizer()  # as if those were not there
-                if count and unit is not None and count != unit:
-                    self._scale_gradients(unit / count)
-                if count:
-                    unit = count
-                else:
-                    zero_grads_held = True
-                total += count
+            if not counts.add(self.count_loss_items(piece), skippable=not syncs):
+                # no item: adds nothing to the mean that the large batch takes
+                if keep_y_pred:
+                    y_preds.append(self._infer_without_grad(
+                        piece, **fit_params))
+                del piece
+                continue
             if syncs:
                 # the all-reduce of this backward normalizes, over all ranks
-                global_total = sync.global_count(total)
-                sync.factor = (unit / global_total
-                               if not summed and unit and global_total else 1.0)
+                global_total = sync.global_count(counts.total)
+                sync.factor = counts.factor(global_total)
             with (contextlib.nullcontext() if sync is None
                   else sync.context(syncs)):
                 step = self._run_scaled(self.train_step_single, piece,
                                         **fit_params)
-            loss = step['loss'].detach()
-            if summed or count:
-                losses.append(loss if summed else count * loss)
+            counts.add_loss(step['loss'].detach())
             if keep_y_pred:
                 y_preds.append(detach_outputs(step['y_pred']))
-            del step, loss, piece  # frees the piece's graph and outputs
+            del step, piece  # frees the piece's graph and outputs
 
-        if sync is None and unit is not None and unit != total:
-            self._scale_gradients(unit / total)
+        if sync is None:
+            counts.normalize()
         self._unscale_gradients()  # callbacks see true gradients
-        if summed:
-            loss = torch.stack(losses).sum()
-        elif total:
-            loss = torch.stack(losses).sum() / total
-        else:  # no item in the whole group: the mean is undefined
-            loss = torch.tensor(float('nan'))
+        loss = counts.loss()
         y_pred = None
         if y_preds:
             y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
@@ -628,8 +600,7 @@ class GradAccMixin(StepDecisionMixin):
         """Multiply the gradients of all learnable parameters in place."""
         grads = [param.grad for _, param in self.get_all_learnable_params()
                  if param.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
+        scale_gradients(grads, factor)
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
