@@ -471,7 +471,7 @@ class GradAccMixin(StepDecisionMixin):
 
         Returns
         -------
-        count : int, float, or None
+        count : int, float, one-element tensor, or None
           The number of samples in ``X`` by default. ``None`` means that the
           loss is a sum, not a mean (the default when the criterion has
           ``reduction='sum'``), and is accumulated without any rescaling.
@@ -479,7 +479,11 @@ class GradAccMixin(StepDecisionMixin):
           gradient; a group whose counts are all 0 is stepped with the
           gradient its loss gives (zero for
           :class:`torch.nn.CrossEntropyLoss` with every target ignored), as
-          the large-batch net does.
+          the large-batch net does. A tensor, e.g. ``(y != -100).sum()`` on
+          the GPU, is never read on the host, so that counting does not
+          wait for the device; then every micro-batch's backward runs, and
+          one with a count of 0 must have a zero gradient, as
+          :class:`torch.nn.CrossEntropyLoss` with every target ignored has.
 
         Examples
         --------
@@ -490,7 +494,7 @@ class GradAccMixin(StepDecisionMixin):
         >>> class TokenNet(GradAccMixin, NeuralNet):
         ...     def count_loss_items(self, batch):
         ...         _, y = batch
-        ...         return int((y != -100).sum())
+        ...         return (y != -100).sum()
 
         """
         if getattr(self.criterion_, 'reduction', None) == 'sum':
