@@ -5,10 +5,11 @@ Used by :class:`~skorch_gradacc.GradAccMixin` and by
 :class:`ItemCounts` keeps a group's counts and rescales ``.grad`` in place,
 and :func:`scale_gradients` multiplies gradients by a number or by a tensor.
 
-Counts are Python numbers or tensors. A tensor count, e.g. a token count
-``(y != -100).sum()`` on the GPU, is never read on the host: all the
-bookkeeping is done with tensor operations on its device, so that the host
-never waits for the device because of a count.
+Counts are Python numbers or tensors. A tensor count on an accelerator,
+e.g. a token count ``(y != -100).sum()`` on the GPU, is never read on the
+host: all the bookkeeping is done with tensor operations on its device, so
+that the host never waits for the device because of a count. A tensor on
+the CPU is read, which costs nothing of the kind.
 """
 
 import torch
@@ -34,11 +35,14 @@ class ItemCounts:
 
     * Python numbers are compared on the host: equal counts cost nothing
       until the end.
-    * Tensor counts are never read on the host. Each one rescales the
-      gradients by a tensor factor (1 when the unit does not change), and
-      the unit and the total are tensors on the count's device, in float64
-      (float32 on MPS). A tensor count of 0 cannot be detected without a
-      device synchronization, so its micro-batch's backward always runs.
+    * Tensor counts on a device (any but those in :attr:`host_devices`)
+      are never read on the host. Each one rescales the gradients by a
+      tensor factor (1 when the unit does not change), and the unit and the
+      total are tensors on the count's device, in float64 (float32 on MPS).
+      A tensor count of 0 cannot be detected without a device
+      synchronization, so its micro-batch's backward always runs.
+    * Tensors on the CPU are read with ``item()``, which does not wait for
+      any device, and counted as Python numbers.
 
     Parameters
     ----------
@@ -62,7 +66,13 @@ class ItemCounts:
     total : float or tensor
       The group's item count so far.
 
+    host_devices : frozenset of str
+      The device types whose tensor counts are read on the host (class
+      attribute).
+
     """
+
+    host_devices = frozenset({'cpu'})
 
     def __init__(self, scale, zero=None):
         self.scale = scale
@@ -102,6 +112,10 @@ class ItemCounts:
                 "not for others; got {!r}.".format(count))
         if summed:
             return True
+        if (isinstance(count, torch.Tensor)
+                and count.device.type in self.host_devices
+                and not isinstance(self.total, torch.Tensor)):
+            count = count.item()  # no device to wait for
         if isinstance(count, torch.Tensor) or isinstance(
                 self.total, torch.Tensor):
             self._add_tensor(count)

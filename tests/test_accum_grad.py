@@ -17,6 +17,7 @@ import torch
 from skorch import NeuralNetClassifier
 
 from skorch_gradacc import AccumGrad
+from skorch_gradacc.item_counts import ItemCounts
 
 DTYPE = torch.float64
 PARAM_ATOL = 1e-10
@@ -175,6 +176,18 @@ def sum_loss_fn(model, X, y):
     return torch.nn.functional.cross_entropy(model(X), y, reduction='sum')
 
 
+COUNT_KINDS = ['int', 'tensor', 'device tensor']
+
+
+@pytest.fixture
+def count_kind(request, monkeypatch):
+    """How counts are given: Python ints, CPU tensors (read on the host),
+    or CPU tensors counted as on a GPU: never read on the host."""
+    if request.param == 'device tensor':
+        monkeypatch.setattr(ItemCounts, 'host_devices', frozenset())
+    return request.param
+
+
 def as_count(kind, mask):
     """The items of ``mask`` as a Python int or as a tensor, ``mask.sum()``."""
     return int(mask.sum()) if kind == 'int' else mask.sum()
@@ -225,9 +238,10 @@ def token_data(n=48):
 
 
 class TestZeroCounts:
-    @pytest.mark.parametrize('kind', ['int', 'tensor'])
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS, indirect=True)
     @pytest.mark.parametrize('name', ['sgd_momentum', 'adam'])
-    def test_item_less_micro_batches_are_the_large_batch(self, name, kind):
+    def test_item_less_micro_batches_are_the_large_batch(self, name,
+                                                         count_kind):
         X, y = token_data()
         # CrossEntropyLoss with every target ignored: loss NaN, gradient 0
         large, _ = large_batch(X, y, 12, OPTIMIZERS[name], epochs=2)
@@ -237,7 +251,7 @@ class TestZeroCounts:
         for _ in range(2):
             for Xb, yb in zip(X.split(4), y.split(4)):
                 opt.zero_grad()
-                opt.set_count(as_count(kind, yb != -100))
+                opt.set_count(as_count(count_kind, yb != -100))
                 loss = loss_fn(model, Xb, yb)
                 loss.backward()
                 losses.append(loss.item())
@@ -245,8 +259,8 @@ class TestZeroCounts:
         assert sum(np.isnan(losses)) == 2 * 5  # 5 item-less micro-batches
         assert max_diff(model, large) <= PARAM_ATOL
 
-    @pytest.mark.parametrize('kind', ['int', 'tensor'])
-    def test_a_group_without_items_steps_as_the_large_batch(self, kind):
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS, indirect=True)
+    def test_a_group_without_items_steps_as_the_large_batch(self, count_kind):
         # groups 3 and 4 of token_data: Adam steps on group 4's zero
         # gradient, with the moments of group 3
         X, y = token_data()
@@ -257,7 +271,7 @@ class TestZeroCounts:
         snapshots = []
         for Xb, yb in zip(X.split(4), y.split(4)):
             opt.zero_grad()
-            opt.set_count(as_count(kind, yb != -100))
+            opt.set_count(as_count(count_kind, yb != -100))
             loss_fn(model, Xb, yb).backward()
             opt.step()
             if opt.stepped:
@@ -268,8 +282,9 @@ class TestZeroCounts:
         assert max_diff(*snapshots) > 1e-3
         assert max_diff(model, large) <= PARAM_ATOL
 
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS[1:], indirect=True)
     @pytest.mark.parametrize('sizes', [[3, 5, 2, 4, 1, 6], [4, 4, 4, 4, 4, 1]])
-    def test_tensor_counts_of_any_sizes(self, sizes):
+    def test_tensor_counts_of_any_sizes(self, sizes, count_kind):
         X, y = make_data(21)
         large, _ = large_batch(X, y, [sum(sizes[:3]), sum(sizes[3:])],
                                OPTIMIZERS['adam'], epochs=2)
