@@ -92,8 +92,8 @@ class AccumGrad(torch.optim.Optimizer):
     optimizer's state dict, the ``'optimizer'`` entry of the wrapper's.
 
     Counts may be tensors on the gradients' device, e.g. ``(y !=
-    -100).sum()``: they are never read on the host, so counting does not
-    make the host wait for the device (see :meth:`set_count`).
+    -100).sum()``: on a GPU they are never read on the host, so counting
+    does not make the host wait for the device (see :meth:`set_count`).
 
     The gradient of a group in progress is in the parameters' ``.grad``, not
     in :meth:`state_dict`. Save checkpoints at group boundaries
@@ -245,10 +245,11 @@ class AccumGrad(torch.optim.Optimizer):
         all 0 is stepped with the gradient its losses gave, as the large
         batch is.
 
-        A tensor count is never read on the host: with counts on the GPU,
-        no micro-batch waits for the device. The gradients are then rescaled
-        with a tensor factor at every micro-batch, and the count's value is
-        not checked.
+        A tensor count on a GPU (any device but the CPU) is never read on
+        the host, so no micro-batch waits for the device: the gradients are
+        then rescaled with a tensor factor at every micro-batch, and the
+        count's value is not checked. A tensor on the CPU is read, which
+        waits for nothing, and counts as a number.
 
         Parameters
         ----------
@@ -263,7 +264,10 @@ class AccumGrad(torch.optim.Optimizer):
                     "count must be a number or a one-element tensor of "
                     "numbers, got a tensor of shape {} and dtype {} instead."
                     .format(tuple(count.shape), count.dtype))
-        elif (not isinstance(count, numbers.Real) or isinstance(count, bool)
+            if count.device.type in ItemCounts.host_devices:
+                count = count.item()  # no device to wait for
+        if not isinstance(count, torch.Tensor) and (
+                not isinstance(count, numbers.Real) or isinstance(count, bool)
                 or not math.isfinite(count) or count < 0):
             raise ValueError(
                 "count must be a number of items, 0 or more, got {!r} "

@@ -528,6 +528,16 @@ class TestErrors:
                 "instead.".format(count))):
             opt.set_count(count)
 
+    @pytest.mark.parametrize('count', [-1, float('nan')])
+    def test_bad_count_in_a_cpu_tensor(self, count):
+        # read on the host, so checked; on a GPU, a count is not read
+        model = make_model()
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+        with pytest.raises(ValueError, match=re.escape(
+                "count must be a number of items, 0 or more, got {!r} "
+                "instead.".format(count))):
+            opt.set_count(torch.tensor(count))
+
     @pytest.mark.parametrize('count', [torch.ones(2), torch.tensor(True),
                                        torch.tensor(1j)])
     def test_bad_count_tensor(self, count):
