@@ -685,17 +685,14 @@ class GradAccMixin(StepDecisionMixin):
         pieces = self._eval_pieces(batch)
         if pieces is None:
             return super().validation_step(batch, **fit_params)
-        steps = [super(GradAccMixin, self).validation_step(piece, **fit_params)
-                 for piece in pieces]
-        counts = [self.count_loss_items(piece) for piece in pieces]
-        if all(count is None for count in counts):  # summed losses
-            loss = torch.stack([step['loss'] for step in steps]).sum()
-        else:
-            weighted = [count * step['loss']
-                        for count, step in zip(counts, steps) if count]
-            loss = (torch.stack(weighted).sum() / sum(counts) if weighted
-                    else torch.tensor(float('nan')))
-        return {'loss': loss,
+        steps = []
+        counts = ItemCounts(scale=lambda factor: None)  # weighs losses only
+        for piece in pieces:
+            counts.add(self.count_loss_items(piece))
+            steps.append(super(GradAccMixin, self).validation_step(
+                piece, **fit_params))
+            counts.add_loss(steps[-1]['loss'])
+        return {'loss': counts.loss(),
                 'y_pred': concat_outputs([step['y_pred'] for step in steps])}
 
     def evaluation_step(self, batch, training=False):

@@ -259,6 +259,22 @@ class TestMixin:
             large.history[:, 'batches', :, 'train_loss'], rtol=1e-10)
         assert np.isnan(net.history[-1, 'batches', -1, 'train_loss'])
 
+    @pytest.mark.usefixtures('cpu_as_device')
+    def test_validation_in_pieces_reads_no_count(self):
+        X, y = token_data()
+        net = TensorTokenNet(make_model, criterion=torch.nn.CrossEntropyLoss,
+                             batch_size=12, micro_batch_size=5, verbose=0)
+        net.initialize()
+        whole = NeuralNet(make_model, criterion=torch.nn.CrossEntropyLoss,
+                          batch_size=12).initialize()
+        for Xb, yb in zip(X.split(12), y.split(12)):
+            with count_syncs() as calls:
+                loss = net.validation_step((Xb, yb))['loss']
+            assert calls == []
+            np.testing.assert_allclose(
+                loss.item(), whole.validation_step((Xb, yb))['loss'].item(),
+                rtol=1e-10)
+
     def test_python_counts_are_exact_and_are_read(self):
         # the same data with int counts: the same parameters; the counting
         # is done by count_loss_items itself, one read per micro-batch
