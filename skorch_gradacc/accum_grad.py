@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from skorch_gradacc.item_counts import ItemCounts, scale_gradients
 from skorch_gradacc.mixin import _is_positive_int
 
 __all__ = ['AccumGrad']
@@ -39,7 +40,9 @@ class AccumGrad(torch.optim.Optimizer):
     losses are means over different numbers of items (a short last
     micro-batch, tokens), call :meth:`set_count` with the number before each
     ``backward``: the update is then that of the mean over all the items of
-    the group, still without a second copy of the gradients.
+    the group, still without a second copy of the gradients. When the
+    losses are sums, not means, pass ``reduction='sum'``: the gradients are
+    then added up and never divided.
 
     Attributes
     ----------
@@ -72,12 +75,25 @@ class AccumGrad(torch.optim.Optimizer):
       unscales the gradient and skips the update if it holds inf or NaN)
       and ``grad_scaler.update``; ``stepped`` is False for a skipped update.
 
+    reduction : 'mean' or 'sum' (default='mean')
+      How each micro-batch's loss reduces over its items. ``'mean'``: the
+      update is that of the mean over the group, by micro-batches or by the
+      counts given to :meth:`set_count`. ``'sum'``: the loss is a sum, e.g.
+      of a criterion with ``reduction='sum'``, and the update is that of the
+      sum over the group; :meth:`set_count` is not used.
+
     Notes
     -----
-    Step hooks registered with :meth:`register_step_pre_hook` (e.g. gradient
-    clipping) and :meth:`register_step_post_hook` go to the wrapped
-    optimizer: they run once per update, on the normalized and unscaled
-    gradient, and receive the wrapped optimizer as their first argument.
+    Hooks go to the wrapped optimizer and receive it as their first
+    argument. Step hooks (:meth:`register_step_pre_hook`, e.g. gradient
+    clipping, and :meth:`register_step_post_hook`) run once per update, on
+    the normalized and unscaled gradient; state-dict hooks
+    (:meth:`register_state_dict_pre_hook` and the like) see the wrapped
+    optimizer's state dict, the ``'optimizer'`` entry of the wrapper's.
+
+    Counts may be tensors on the gradients' device, e.g. ``(y !=
+    -100).sum()``: on a GPU they are never read on the host, so counting
+    does not make the host wait for the device (see :meth:`set_count`).
 
     The gradient of a group in progress is in the parameters' ``.grad``, not
     in :meth:`state_dict`. Save checkpoints at group boundaries
@@ -108,7 +124,8 @@ class AccumGrad(torch.optim.Optimizer):
 
     """
 
-    def __init__(self, optimizer, acc_steps, *, grad_scaler=None):
+    def __init__(self, optimizer, acc_steps, *, grad_scaler=None,
+                 reduction='mean'):
         # Optimizer.__init__ is not called: the wrapped optimizer owns the
         # parameters, their groups and their state.
         if isinstance(optimizer, AccumGrad):
@@ -132,21 +149,26 @@ class AccumGrad(torch.optim.Optimizer):
             raise TypeError(
                 "grad_scaler must be a torch.amp.GradScaler or None, got {!r} "
                 "instead.".format(grad_scaler))
+        if not (isinstance(reduction, str) and reduction in ('mean', 'sum')):
+            raise ValueError(
+                "reduction must be 'mean' or 'sum', got {!r} instead."
+                .format(reduction))
         self.optimizer = optimizer
         self.acc_steps = acc_steps
         self.grad_scaler = grad_scaler
+        self.reduction = reduction
         self.stepped = False
         self._updated = False
-        self._pending_count = None
         self._start_group()
 
     def _start_group(self):
         self._position = 0
         # .grad holds sum_j (count_j / unit) * gradient_j over the group's
-        # micro-batches j; unit changes only when the counts do.
-        self._unit = 1.0
-        self._total = 0.0
+        # micro-batches j (see ItemCounts); unit changes only when the
+        # counts do.
+        self._counts = ItemCounts(self._scale_grads)
         self._counted = None
+        self._pending_count = False
 
     # The wrapped optimizer's attributes, shared, not copied: schedulers and
     # GradScaler.unscale_ read and write them through the wrapper.
@@ -190,9 +212,7 @@ class AccumGrad(torch.optim.Optimizer):
                 for param in group['params'] if param.grad is not None]
 
     def _scale_grads(self, factor):
-        grads = self._grads()
-        if grads and factor != 1:
-            torch._foreach_mul_(grads, factor)
+        scale_gradients(self._grads(), factor)
 
     def zero_grad(self, set_to_none=True):
         """Clear the gradients at the start of a group; else do nothing.
@@ -217,26 +237,51 @@ class AccumGrad(torch.optim.Optimizer):
         previous micro-batch's, the gradients summed so far are rescaled in
         place, once: no second copy of the gradients is kept.
 
+        A count of 0 says that the micro-batch has no item (all its tokens
+        are padding): it adds nothing to the mean, so its backward must add
+        a zero gradient, as :class:`torch.nn.CrossEntropyLoss` with every
+        target ignored does (a mean written ``sum / count`` gives NaN: divide
+        by ``count.clamp(min=1)``), or be left out. A group whose counts are
+        all 0 is stepped with the gradient its losses gave, as the large
+        batch is.
+
+        A tensor count on a GPU (any device but the CPU) is never read on
+        the host, so no micro-batch waits for the device: the gradients are
+        then rescaled with a tensor factor at every micro-batch, and the
+        count's value is not checked. A tensor on the CPU is read, which
+        waits for nothing, and counts as a number.
+
         Parameters
         ----------
         count : int, float or one-element tensor
-          A positive number.
+          A number of items, 0 or more.
 
         """
         if isinstance(count, torch.Tensor):
-            count = count.item()
-        if (not isinstance(count, numbers.Real) or isinstance(count, bool)
-                or not math.isfinite(count) or count <= 0):
+            if (count.numel() != 1 or count.dtype == torch.bool
+                    or count.is_complex()):
+                raise ValueError(
+                    "count must be a number or a one-element tensor of "
+                    "numbers, got a tensor of shape {} and dtype {} instead."
+                    .format(tuple(count.shape), count.dtype))
+            if count.device.type in ItemCounts.host_devices:
+                count = count.item()  # no device to wait for
+        if not isinstance(count, torch.Tensor) and (
+                not isinstance(count, numbers.Real) or isinstance(count, bool)
+                or not math.isfinite(count) or count < 0):
             raise ValueError(
-                "count must be a positive number, got {!r} instead."
-                .format(count))
-        count = float(count)
-        if self._position == 0:
-            self._unit = count
-        elif count != self._unit:
-            self._scale_grads(self._unit / count)
-            self._unit = count
-        self._pending_count = count
+                "count must be a number of items, 0 or more, got {!r} "
+                "instead.".format(count))
+        if self.reduction == 'sum':
+            raise RuntimeError(
+                "set_count weights mean losses; with reduction='sum' the "
+                "losses are sums and are added up as they are.")
+        if self._pending_count:
+            raise RuntimeError(
+                "set_count was called twice for one micro-batch; call it once "
+                "before each backward, then step().")
+        self._counts.add(count)
+        self._pending_count = True
 
     def step(self, closure=None):
         """Count a micro-batch; on the ``acc_steps``-th, update once.
@@ -259,7 +304,7 @@ class AccumGrad(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        counted = self._pending_count is not None
+        counted = self._pending_count
         if self._position == 0:
             self._counted = counted
         elif counted != self._counted:
@@ -269,8 +314,9 @@ class AccumGrad(torch.optim.Optimizer):
                 "{} {} a count and the earlier ones {}.".format(
                     self._position + 1, 'has' if counted else 'has no',
                     'do not' if counted else 'do'))
-        self._total += self._pending_count if counted else 1.0
-        self._pending_count = None
+        if not counted and self.reduction == 'mean':
+            self._counts.add(1)  # equal counts: nothing is rescaled
+        self._pending_count = False
         self._position += 1
         if self._position >= self.acc_steps:  # acc_steps may have shrunk
             self._update()
@@ -289,7 +335,8 @@ class AccumGrad(torch.optim.Optimizer):
             self._update()
 
     def _update(self):
-        self._scale_grads(self._unit / self._total)
+        if self.reduction == 'mean':
+            self._counts.normalize()
         if self.grad_scaler is None:
             self.optimizer.step()
             self.stepped = True
@@ -317,8 +364,8 @@ class AccumGrad(torch.optim.Optimizer):
             'optimizer': self.optimizer.state_dict(),
             'acc_steps': self.acc_steps,
             'position': self._position,
-            'unit': self._unit,
-            'total': self._total,
+            'unit': self._counts.unit,
+            'total': self._counts.total,
             'counted': self._counted,
         }
 
@@ -339,11 +386,11 @@ class AccumGrad(torch.optim.Optimizer):
                 "fit acc_steps={}.".format(state_dict['position'] + 1,
                                            self.acc_steps))
         self.optimizer.load_state_dict(state_dict['optimizer'])
+        self._start_group()
         self._position = state_dict['position']
-        self._unit = state_dict['unit']
-        self._total = state_dict['total']
+        self._counts.unit = state_dict['unit']
+        self._counts.total = state_dict['total']
         self._counted = state_dict['counted']
-        self._pending_count = None
 
     def add_param_group(self, param_group):
         """Add a parameter group to the wrapped optimizer."""
@@ -364,6 +411,45 @@ class AccumGrad(torch.optim.Optimizer):
         :meth:`torch.optim.Optimizer.register_step_post_hook`.
         """
         return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend=False):
+        """Register a hook that runs before the wrapped optimizer's state dict.
+
+        It is registered on the wrapped optimizer: see
+        :meth:`torch.optim.Optimizer.register_state_dict_pre_hook`.
+        """
+        return self.optimizer.register_state_dict_pre_hook(
+            hook, prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend=False):
+        """Register a hook that may change the wrapped optimizer's state dict.
+
+        It is registered on the wrapped optimizer: see
+        :meth:`torch.optim.Optimizer.register_state_dict_post_hook`. The
+        dict it receives is the ``'optimizer'`` entry of :meth:`state_dict`.
+        """
+        return self.optimizer.register_state_dict_post_hook(
+            hook, prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend=False):
+        """Register a hook that runs before the wrapped optimizer loads its state.
+
+        It is registered on the wrapped optimizer: see
+        :meth:`torch.optim.Optimizer.register_load_state_dict_pre_hook`. The
+        dict it receives is the ``'optimizer'`` entry of the dict given to
+        :meth:`load_state_dict`.
+        """
+        return self.optimizer.register_load_state_dict_pre_hook(
+            hook, prepend=prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend=False):
+        """Register a hook that runs after the wrapped optimizer loads its state.
+
+        It is registered on the wrapped optimizer: see
+        :meth:`torch.optim.Optimizer.register_load_state_dict_post_hook`.
+        """
+        return self.optimizer.register_load_state_dict_post_hook(
+            hook, prepend=prepend)
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -39,6 +39,7 @@ from skorch_gradacc.batching import (
 from skorch_gradacc.callbacks import GradAccLRScheduler, GradAccProgressBar
 from skorch_gradacc.distributed import gradient_sync
 from skorch_gradacc.grouping import MicroBatchGroup, MicroBatchGroups
+from skorch_gradacc.item_counts import ItemCounts, scale_gradients
 from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
 __all__ = ['GradAccMixin']
@@ -473,7 +474,7 @@ class GradAccMixin(StepDecisionMixin):
 
         Returns
         -------
-        count : int, float, or None
+        count : int, float, one-element tensor, or None
           The number of samples in ``X`` by default. ``None`` means that the
           loss is a sum, not a mean (the default when the criterion has
           ``reduction='sum'``), and is accumulated without any rescaling.
@@ -481,7 +482,11 @@ class GradAccMixin(StepDecisionMixin):
           gradient; a group whose counts are all 0 is stepped with the
           gradient its loss gives (zero for
           :class:`torch.nn.CrossEntropyLoss` with every target ignored), as
-          the large-batch net does.
+          the large-batch net does. A tensor, e.g. ``(y != -100).sum()`` on
+          the GPU, is never read on the host, so that counting does not
+          wait for the device; then every micro-batch's backward runs, and
+          one with a count of 0 must have a zero gradient, as
+          :class:`torch.nn.CrossEntropyLoss` with every target ignored has.
 
         Examples
         --------
@@ -492,7 +497,7 @@ class GradAccMixin(StepDecisionMixin):
         >>> class TokenNet(GradAccMixin, NeuralNet):
         ...     def count_loss_items(self, batch):
         ...         _, y = batch
-        ...         return int((y != -100).sum())
+        ...         return (y != -100).sum()
 
         """
         if getattr(self.criterion_, 'reduction', None) == 'sum':
@@ -564,63 +569,36 @@ class GradAccMixin(StepDecisionMixin):
     def _accumulate_gradients(self, group, **fit_params):
         sync = gradient_sync(self)
         keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
-        losses, y_preds = [], []
-        summed = None  # whether the loss is a sum (count_loss_items is None)
-        unit = None  # the count that .grad is in units of, once items are seen
-        total = 0.0  # the group's item count on this process
-        zero_grads_held = False  # .grad holds gradients of item-less pieces
+        y_preds = []
+        counts = ItemCounts(self._scale_gradients, self._zero_grad_optimizer)
 
         for piece, is_last in self._pieces(group):
-            count = self.count_loss_items(piece)
-            if summed is None:
-                summed = count is None
-            elif summed != (count is None):
-                raise ValueError(
-                    "count_loss_items returned None for some micro-batches "
-                    "but not for others; got {!r}.".format(count))
             syncs = sync is not None and is_last
-            if not summed:
-                count = float(count)
-                if count == 0 and unit is not None and not syncs:
-                    # adds nothing to the mean that the large batch takes
-                    if keep_y_pred:
-                        y_preds.append(self._infer_without_grad(
-                            piece, **fit_params))
-                    del piece
-                    continue
-                if count and unit is None and zero_grads_held:
-                    self._zero_grad_optimizer()  # as if those were not there
-                if count and unit is not None and count != unit:
-                    self._scale_gradients(unit / count)
-                if count:
-                    unit = count
-                else:
-                    zero_grads_held = True
-                total += count
+            if not counts.add(self.count_loss_items(piece), skippable=not syncs):
+                # no item: adds nothing to the mean that the large batch takes
+                if keep_y_pred:
+                    y_preds.append(self._infer_without_grad(
+                        piece, **fit_params))
+                del piece
+                continue
             if syncs:  # this backward sums the gradient over all ranks
-                sync.set_unit(None if summed else (unit or 0.0))
+                sync.set_unit(None if counts.summed else (
+                    0.0 if counts.unit is None else counts.unit))
             with (contextlib.nullcontext() if sync is None
                   else sync.context(syncs)):
                 step = self._run_scaled(self.train_step_single, piece,
                                         **fit_params)
-            loss = step['loss'].detach()
-            if summed or count:
-                losses.append(loss if summed else count * loss)
+            counts.add_loss(step['loss'].detach())
             if keep_y_pred:
                 y_preds.append(detach_outputs(step['y_pred']))
-            del step, loss, piece  # frees the piece's graph and outputs
+            del step, piece  # frees the piece's graph and outputs
 
-        if sync is None and unit is not None and unit != total:
-            self._scale_gradients(unit / total)
-        if sync is not None:  # over all ranks: normalize, and the mean loss
-            loss = sync.end_step(self, group, total, torch.stack(
-                losses).sum() if losses else torch.zeros(()), summed)
-        elif summed:
-            loss = torch.stack(losses).sum()
-        elif total:
-            loss = torch.stack(losses).sum() / total
-        else:  # no item in the whole group: the mean is undefined
-            loss = torch.tensor(float('nan'))
+        if sync is None:
+            counts.normalize()
+            loss = counts.loss()
+        else:  # over all ranks: normalize, and the mean loss
+            loss = sync.end_step(self, group, counts.total, counts.loss_sum(),
+                                 counts.summed)
         self._unscale_gradients()  # callbacks see true gradients
         y_pred = None
         if y_preds:
@@ -631,8 +609,7 @@ class GradAccMixin(StepDecisionMixin):
         """Multiply the gradients of all learnable parameters in place."""
         grads = [param.grad for _, param in self.get_all_learnable_params()
                  if param.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
+        scale_gradients(grads, factor)
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
@@ -713,17 +690,14 @@ class GradAccMixin(StepDecisionMixin):
         pieces = self._eval_pieces(batch)
         if pieces is None:
             return super().validation_step(batch, **fit_params)
-        steps = [super(GradAccMixin, self).validation_step(piece, **fit_params)
-                 for piece in pieces]
-        counts = [self.count_loss_items(piece) for piece in pieces]
-        if all(count is None for count in counts):  # summed losses
-            loss = torch.stack([step['loss'] for step in steps]).sum()
-        else:
-            weighted = [count * step['loss']
-                        for count, step in zip(counts, steps) if count]
-            loss = (torch.stack(weighted).sum() / sum(counts) if weighted
-                    else torch.tensor(float('nan')))
-        return {'loss': loss,
+        steps = []
+        counts = ItemCounts(scale=lambda factor: None)  # weighs losses only
+        for piece in pieces:
+            counts.add(self.count_loss_items(piece))
+            steps.append(super(GradAccMixin, self).validation_step(
+                piece, **fit_params))
+            counts.add_loss(steps[-1]['loss'])
+        return {'loss': counts.loss(),
                 'y_pred': concat_outputs([step['y_pred'] for step in steps])}
 
     def evaluation_step(self, batch, training=False):

@@ -6,7 +6,9 @@ agree to ``PARAM_ATOL``.
 """
 
 import copy
+import inspect
 import pickle
+import re
 import warnings
 
 import numpy as np
@@ -15,6 +17,7 @@ import torch
 from skorch import NeuralNetClassifier
 
 from skorch_gradacc import AccumGrad
+from skorch_gradacc.item_counts import ItemCounts
 
 DTYPE = torch.float64
 PARAM_ATOL = 1e-10
@@ -169,6 +172,240 @@ class TestExactness:
         assert max_diff(model, large) <= PARAM_ATOL
 
 
+def sum_loss_fn(model, X, y):
+    return torch.nn.functional.cross_entropy(model(X), y, reduction='sum')
+
+
+COUNT_KINDS = ['int', 'tensor', 'device tensor']
+
+
+@pytest.fixture
+def count_kind(request, monkeypatch):
+    """How counts are given: Python ints, CPU tensors (read on the host),
+    or CPU tensors counted as on a GPU: never read on the host."""
+    if request.param == 'device tensor':
+        monkeypatch.setattr(ItemCounts, 'host_devices', frozenset())
+    return request.param
+
+
+def as_count(kind, mask):
+    """The items of ``mask`` as a Python int or as a tensor, ``mask.sum()``."""
+    return int(mask.sum()) if kind == 'int' else mask.sum()
+
+
+class TestSums:
+    @pytest.mark.parametrize('name', ['sgd_momentum', 'adam'])
+    def test_summed_losses_are_the_large_batch(self, name):
+        # 46 rows: groups of 4 + 4 + 4 rows, and a last one of 4 + 4 + 2
+        X, y = make_data(46)
+        large = make_model()
+        large_opt = OPTIMIZERS[name](large.parameters())
+        model = make_model()
+        opt = AccumGrad(OPTIMIZERS[name](model.parameters()), 3,
+                        reduction='sum')
+        for _ in range(2):
+            for Xb, yb in zip(X.split(12), y.split(12)):
+                large_opt.zero_grad()
+                sum_loss_fn(large, Xb, yb).backward()
+                large_opt.step()
+            for Xb, yb in zip(X.split(4), y.split(4)):
+                opt.zero_grad()
+                sum_loss_fn(model, Xb, yb).backward()
+                opt.step()
+            opt.flush()
+        assert max_diff(model, large) <= PARAM_ATOL
+        assert max_diff(model, make_model()) > 1e-2
+
+    def test_the_default_is_the_mean(self):
+        X, y = make_data(24)
+        large, _ = large_batch(X, y, 12)
+        model, _ = accumulated(X, y, 4, 3)
+        assert AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1),
+                         2).reduction == 'mean'
+        assert max_diff(model, large) <= PARAM_ATOL
+
+
+def token_data(n=48):
+    """Rows whose targets are partly ignored; some micro-batches of 4 rows
+    and one whole group of 3 micro-batches have no target at all."""
+    X, y = make_data(n)
+    y = y.clone()
+    y[make_data(n, seed=3)[1] == 0] = -100
+    y[0:4] = -100  # the first micro-batch of the first group
+    y[20:24] = -100  # the last micro-batch of the second group
+    y[36:48] = -100  # the whole fourth group
+    return X, y
+
+
+class TestZeroCounts:
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS, indirect=True)
+    @pytest.mark.parametrize('name', ['sgd_momentum', 'adam'])
+    def test_item_less_micro_batches_are_the_large_batch(self, name,
+                                                         count_kind):
+        X, y = token_data()
+        # CrossEntropyLoss with every target ignored: loss NaN, gradient 0
+        large, _ = large_batch(X, y, 12, OPTIMIZERS[name], epochs=2)
+        model = make_model()
+        opt = AccumGrad(OPTIMIZERS[name](model.parameters()), 3)
+        losses = []
+        for _ in range(2):
+            for Xb, yb in zip(X.split(4), y.split(4)):
+                opt.zero_grad()
+                opt.set_count(as_count(count_kind, yb != -100))
+                loss = loss_fn(model, Xb, yb)
+                loss.backward()
+                losses.append(loss.item())
+                opt.step()
+        assert sum(np.isnan(losses)) == 2 * 5  # 5 item-less micro-batches
+        assert max_diff(model, large) <= PARAM_ATOL
+
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS, indirect=True)
+    def test_a_group_without_items_steps_as_the_large_batch(self, count_kind):
+        # groups 3 and 4 of token_data: Adam steps on group 4's zero
+        # gradient, with the moments of group 3
+        X, y = token_data()
+        X, y = X[24:], y[24:]
+        large, _ = large_batch(X, y, 12, OPTIMIZERS['adam'])
+        model = make_model()
+        opt = AccumGrad(OPTIMIZERS['adam'](model.parameters()), 3)
+        snapshots = []
+        for Xb, yb in zip(X.split(4), y.split(4)):
+            opt.zero_grad()
+            opt.set_count(as_count(count_kind, yb != -100))
+            loss_fn(model, Xb, yb).backward()
+            opt.step()
+            if opt.stepped:
+                snapshots.append(copy.deepcopy(model))
+        assert (y[12:] == -100).all() and len(snapshots) == 2
+        assert all((param.grad == 0).all() for param in model.parameters())
+        assert opt.state[model[0].weight]['step'] == 2
+        assert max_diff(*snapshots) > 1e-3
+        assert max_diff(model, large) <= PARAM_ATOL
+
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS[1:], indirect=True)
+    @pytest.mark.parametrize('sizes', [[3, 5, 2, 4, 1, 6], [4, 4, 4, 4, 4, 1]])
+    def test_tensor_counts_of_any_sizes(self, sizes, count_kind):
+        X, y = make_data(21)
+        large, _ = large_batch(X, y, [sum(sizes[:3]), sum(sizes[3:])],
+                               OPTIMIZERS['adam'], epochs=2)
+        model = make_model()
+        opt = AccumGrad(OPTIMIZERS['adam'](model.parameters()), 3)
+        for _ in range(2):
+            for Xb, yb in zip(X.split(sizes), y.split(sizes)):
+                opt.zero_grad()
+                opt.set_count(torch.ones(len(yb), dtype=torch.int64).sum())
+                loss_fn(model, Xb, yb).backward()
+                opt.step()
+        assert max_diff(model, large) <= PARAM_ATOL
+
+
+def _optimizer_method_cases():
+    """For each public method of torch.optim.Optimizer: a check that it
+    works on the wrapper and reaches the wrapped optimizer."""
+    X, y = make_data(4)
+
+    def backward(model):
+        loss_fn(model, X, y).backward()
+
+    def zero_grad(opt, inner, model):
+        backward(model)
+        opt.zero_grad()
+        assert model[0].weight.grad is None
+
+    def step(opt, inner, model):
+        before = float(inner.state[model[0].weight].get('step', 0))
+        for _ in range(opt.acc_steps):
+            backward(model)
+            opt.step()
+        assert inner.state[model[0].weight]['step'] == before + 1
+
+    def add_param_group(opt, inner, model):
+        extra = torch.nn.Parameter(torch.zeros(2, dtype=DTYPE))
+        opt.add_param_group({'params': [extra]})
+        assert inner.param_groups[-1]['params'] == [extra]
+
+    def state_dict(opt, inner, model):
+        step(opt, inner, model)
+        assert opt.state_dict()['optimizer'] == inner.state_dict()
+
+    def load_state_dict(opt, inner, model):
+        step(opt, inner, model)
+        state = copy.deepcopy(opt.state_dict())
+        fresh = AccumGrad(torch.optim.Adam(model.parameters()), 2)
+        fresh.load_state_dict(state)
+        assert fresh.optimizer.state_dict()['state'][0]['step'] == 1
+
+    def hook(method, run, *expected_args):
+        def case(opt, inner, model):
+            calls = []
+            handle = getattr(opt, method)(
+                lambda *args: calls.append(args[0]))
+            run(opt, inner, model)
+            assert calls == [inner]
+            handle.remove()
+            run(opt, inner, model)
+            assert calls == [inner]
+        return case
+
+    def save(opt, inner, model):
+        opt.state_dict()
+
+    def load(opt, inner, model):
+        opt.load_state_dict(opt.state_dict())
+
+    def profile_hook_step(opt, inner, model):
+        calls = []
+        inner.register_step_pre_hook(lambda *args: calls.append(args[0]))
+        decorated = opt.profile_hook_step(type(inner).step.__wrapped__)
+        backward(model)
+        decorated(inner)
+        assert calls == [inner]
+
+    return {
+        'zero_grad': zero_grad,
+        'step': step,
+        'add_param_group': add_param_group,
+        'state_dict': state_dict,
+        'load_state_dict': load_state_dict,
+        'register_step_pre_hook': hook('register_step_pre_hook', step),
+        'register_step_post_hook': hook('register_step_post_hook', step),
+        'register_state_dict_pre_hook': hook(
+            'register_state_dict_pre_hook', save),
+        'register_state_dict_post_hook': hook(
+            'register_state_dict_post_hook', save),
+        'register_load_state_dict_pre_hook': hook(
+            'register_load_state_dict_pre_hook', load),
+        'register_load_state_dict_post_hook': hook(
+            'register_load_state_dict_post_hook', load),
+        'profile_hook_step': profile_hook_step,
+    }
+
+
+OPTIMIZER_METHOD_CASES = _optimizer_method_cases()
+
+
+def optimizer_methods():
+    """The public methods of torch.optim.Optimizer, found by inspection."""
+    return sorted(
+        name for name in dir(torch.optim.Optimizer)
+        if not name.startswith('_') and isinstance(
+            inspect.getattr_static(torch.optim.Optimizer, name),
+            (staticmethod, classmethod, type(lambda: None))))
+
+
+class TestOptimizerMethods:
+    @pytest.mark.parametrize('name', optimizer_methods())
+    def test_every_method_reaches_the_wrapped_optimizer(self, name):
+        assert name in OPTIMIZER_METHOD_CASES, (
+            'no test of AccumGrad.{} yet'.format(name))
+        model = make_model()
+        inner = torch.optim.Adam(model.parameters())
+        OPTIMIZER_METHOD_CASES[name](AccumGrad(inner, 2), inner, model)
+
+    def test_the_methods_are_found(self):
+        assert set(optimizer_methods()) == set(OPTIMIZER_METHOD_CASES)
+
+
 class TestGroups:
     def test_zero_grad_clears_only_at_group_start(self):
         model = make_model()
@@ -281,12 +518,60 @@ class TestErrors:
             AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2,
                       grad_scaler='fp16')
 
-    @pytest.mark.parametrize('count', [0, -1, float('nan'), True, 'a'])
+    @pytest.mark.parametrize('count', [-1, float('nan'), float('inf'), True,
+                                       'a', None])
     def test_bad_count(self, count):
         model = make_model()
         opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-        with pytest.raises(ValueError, match='count must be a positive'):
+        with pytest.raises(ValueError, match=re.escape(
+                "count must be a number of items, 0 or more, got {!r} "
+                "instead.".format(count))):
             opt.set_count(count)
+
+    @pytest.mark.parametrize('count', [-1, float('nan')])
+    def test_bad_count_in_a_cpu_tensor(self, count):
+        # read on the host, so checked; on a GPU, a count is not read
+        model = make_model()
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+        with pytest.raises(ValueError, match=re.escape(
+                "count must be a number of items, 0 or more, got {!r} "
+                "instead.".format(count))):
+            opt.set_count(torch.tensor(count))
+
+    @pytest.mark.parametrize('count', [torch.ones(2), torch.tensor(True),
+                                       torch.tensor(1j)])
+    def test_bad_count_tensor(self, count):
+        model = make_model()
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+        with pytest.raises(ValueError, match=re.escape(
+                "count must be a number or a one-element tensor of numbers, "
+                "got a tensor of shape {} and dtype {} instead.".format(
+                    tuple(count.shape), count.dtype))):
+            opt.set_count(count)
+
+    @pytest.mark.parametrize('reduction', ['none', 'Sum', None, 1])
+    def test_bad_reduction(self, reduction):
+        model = make_model()
+        with pytest.raises(ValueError, match=re.escape(
+                "reduction must be 'mean' or 'sum', got {!r} instead."
+                .format(reduction))):
+            AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2,
+                      reduction=reduction)
+
+    def test_set_count_with_sums(self):
+        model = make_model()
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2,
+                        reduction='sum')
+        with pytest.raises(RuntimeError, match="set_count weights mean losses; "
+                           "with reduction='sum'"):
+            opt.set_count(4)
+
+    def test_set_count_twice(self):
+        model = make_model()
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+        opt.set_count(4)
+        with pytest.raises(RuntimeError, match='set_count was called twice'):
+            opt.set_count(4)
 
     @pytest.mark.parametrize('first_counted', [True, False])
     def test_counted_and_uncounted_in_one_group(self, first_counted):

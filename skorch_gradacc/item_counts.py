@@ -1,0 +1,249 @@
+"""Weighting the micro-batches of a group by the items their losses average.
+
+Used by :class:`~skorch_gradacc.GradAccMixin` and by
+:class:`~skorch_gradacc.AccumGrad`, so that both normalize the same way:
+:class:`ItemCounts` keeps a group's counts and rescales ``.grad`` in place,
+and :func:`scale_gradients` multiplies gradients by a number or by a tensor.
+
+Counts are Python numbers or tensors. A tensor count on an accelerator,
+e.g. a token count ``(y != -100).sum()`` on the GPU, is never read on the
+host: all the bookkeeping is done with tensor operations on its device, so
+that the host never waits for the device because of a count. A tensor on
+the CPU is read, which costs nothing of the kind.
+"""
+
+import torch
+
+__all__ = ['ItemCounts', 'scale_gradients']
+
+
+class ItemCounts:
+    """The item counts of one group of micro-batches and the unit of ``.grad``.
+
+    ``.grad`` holds ``sum_j (w_j / u) * g_j``: ``g_j`` is the gradient of
+    micro-batch ``j``'s mean loss, ``w_j`` its weight and ``u`` the unit,
+    the last positive count. The weight of a micro-batch is its count
+    ``c_j`` when that is positive. A micro-batch with a count of 0 has no
+    item: it adds nothing to the large batch's mean, so its gradient must be
+    zero (:class:`torch.nn.CrossEntropyLoss` with every target ignored has a
+    zero gradient), or its backward skipped (see :meth:`add`).
+
+    :meth:`add` is called before each micro-batch's backward and rescales
+    ``.grad`` in place when the unit changes, so that no second copy of the
+    gradients is needed; :meth:`normalize` multiplies by ``u / C``, ``C``
+    the group's total, once at the end.
+
+    * Python numbers are compared on the host: equal counts cost nothing
+      until the end.
+    * Tensor counts on a device (any but those in :attr:`host_devices`)
+      are never read on the host. Each one rescales the gradients by a
+      tensor factor (1 when the unit does not change), and the unit and the
+      total are tensors on the count's device, in float64 (float32 on MPS).
+      A tensor count of 0 cannot be detected without a device
+      synchronization, so its micro-batch's backward always runs.
+    * Tensors on the CPU are read with ``item()``, which does not wait for
+      any device, and counted as Python numbers.
+
+    Parameters
+    ----------
+    scale : callable
+      ``scale(factor)`` multiplies all gradients in place by a number or a
+      one-element tensor.
+
+    zero : callable or None (default=None)
+      ``zero()`` clears the gradients. If given, the gradient of item-less
+      micro-batches with Python counts, held since the start of the group,
+      is cleared when the first item arrives.
+
+    Attributes
+    ----------
+    summed : bool or None
+      Whether the losses are sums (counts of None), once a count was added.
+
+    unit : float, tensor or None
+      The count that ``.grad`` is in units of; None until an item is seen.
+
+    total : float or tensor
+      The group's item count so far.
+
+    host_devices : frozenset of str
+      The device types whose tensor counts are read on the host (class
+      attribute).
+
+    """
+
+    host_devices = frozenset({'cpu'})
+
+    def __init__(self, scale, zero=None):
+        self.scale = scale
+        self.zero = zero
+        self.summed = None
+        self.unit = None
+        self.total = 0.0
+        self._count = None  # the count of the micro-batch in progress
+        self._zeros_held = False  # .grad holds gradients of item-less ones
+        self._losses = []
+
+    def add(self, count, skippable=False):
+        """Count the coming micro-batch; call it before its backward.
+
+        Parameters
+        ----------
+        count : int, float, one-element tensor or None
+          The number of items that the micro-batch's loss averages over;
+          None if the loss is a sum, in which case nothing is rescaled.
+
+        skippable : bool (default=False)
+          Whether the caller can skip the micro-batch's backward.
+
+        Returns
+        -------
+        needs_backward : bool
+          False only if ``skippable`` and the count is the Python number 0
+          after items were seen: the micro-batch adds nothing.
+
+        """
+        summed = count is None
+        if self.summed is None:
+            self.summed = summed
+        elif self.summed != summed:
+            raise ValueError(
+                "count_loss_items returned None for some micro-batches but "
+                "not for others; got {!r}.".format(count))
+        if summed:
+            return True
+        if (isinstance(count, torch.Tensor)
+                and count.device.type in self.host_devices
+                and not isinstance(self.total, torch.Tensor)):
+            count = count.item()  # no device to wait for
+        if isinstance(count, torch.Tensor) or isinstance(
+                self.total, torch.Tensor):
+            self._add_tensor(count)
+            return True
+        count = self._count = float(count)
+        if not count:
+            if skippable and self.unit is not None:
+                return False
+            self._zeros_held = True
+            return True
+        if self.unit is None and self._zeros_held and self.zero is not None:
+            self.zero()  # as if the item-less micro-batches were not there
+        elif self.unit is not None and count != self.unit:
+            self.scale(self.unit / count)
+        self.unit = count
+        self.total += count
+        return True
+
+    def _add_tensor(self, count):
+        if not isinstance(self.total, torch.Tensor):  # the first tensor
+            device = count.device
+            dtype = torch.float32 if device.type == 'mps' else torch.float64
+            # new_full and full fill on the device: no copy from the host
+            self.total = torch.full((), self.total, dtype=dtype, device=device)
+        if isinstance(count, torch.Tensor):
+            count = count.detach().reshape(()).to(
+                device=self.total.device, dtype=self.total.dtype)
+        else:
+            count = self.total.new_full((), float(count))
+        positive = count > 0
+        if self.unit is None:
+            self.unit = torch.where(positive, count, 1.0)
+        else:
+            unit = (self.unit if isinstance(self.unit, torch.Tensor)
+                    else self.total.new_full((), self.unit))
+            # unit / 0 is inf, never selected
+            self.scale(torch.where(positive, unit / count, 1.0))
+            self.unit = torch.where(positive, count, unit)
+        self.total = self.total + count
+        self._count = count
+
+    def add_loss(self, loss):
+        """Add the loss of the micro-batch last counted, weighted by its count."""
+        count = self._count
+        if self.summed:
+            self._losses.append(loss)
+        elif isinstance(count, torch.Tensor):
+            count = count.to(device=loss.device, dtype=loss.dtype)
+            # an item-less micro-batch's mean loss is NaN (0 / 0)
+            self._losses.append(torch.where(count > 0, count * loss, 0.0))
+        elif count:
+            self._losses.append(count * loss)
+
+    def loss_sum(self):
+        """Return the group's losses summed, each weighted by its count.
+
+        A zero tensor if no micro-batch added a loss, e.g. in data-parallel
+        training on a rank whose micro-batches have no item.
+        """
+        if not self._losses:
+            return torch.zeros(())
+        return torch.stack(self._losses).sum()
+
+    def loss(self):
+        """Return the group's loss: the mean over its items, or the sum.
+
+        NaN if the group has no item (the mean of nothing).
+        """
+        if self.summed:
+            return torch.stack(self._losses).sum()
+        if isinstance(self.total, torch.Tensor):
+            summed = torch.stack(self._losses).sum()
+            return summed / self.total.to(device=summed.device,
+                                          dtype=summed.dtype)
+        if self.total:
+            return torch.stack(self._losses).sum() / self.total
+        return torch.tensor(float('nan'))
+
+    def factor(self, total=None):
+        """Return ``u / total``, what makes ``.grad`` the mean's gradient.
+
+        Parameters
+        ----------
+        total : float, tensor or None (default=None)
+          The item count to normalize by: the group's own if None, or, in
+          data-parallel training, the count over all processes.
+
+        Returns
+        -------
+        factor : float or tensor
+          1 for summed losses and for a group without items, whose gradient
+          is left as its losses gave it.
+
+        """
+        total = self.total if total is None else total
+        if self.summed or self.unit is None:
+            return 1.0
+        if isinstance(total, torch.Tensor) or isinstance(
+                self.unit, torch.Tensor):
+            reference = total if isinstance(total, torch.Tensor) else self.unit
+            unit, total = (
+                value if isinstance(value, torch.Tensor)
+                else reference.new_full((), float(value))
+                for value in (self.unit, total))
+            return torch.where(total > 0, unit / total.to(unit), 1.0)
+        return self.unit / total if total else 1.0
+
+    def normalize(self):
+        """Multiply ``.grad`` by :meth:`factor`; once, after the last backward."""
+        factor = self.factor()
+        if isinstance(factor, torch.Tensor) or factor != 1:
+            self.scale(factor)
+
+
+def scale_gradients(grads, factor):
+    """Multiply ``grads`` in place by ``factor``, a number or a tensor.
+
+    A tensor factor is moved to each gradient's device and dtype, where it
+    is read by the kernel, never on the host: one
+    :func:`torch._foreach_mul_` per device and dtype.
+    """
+    if not grads:
+        return
+    if not isinstance(factor, torch.Tensor):
+        torch._foreach_mul_(grads, factor)
+        return
+    by_kind = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, factor.to(device=device, dtype=dtype))
