@@ -314,5 +314,5 @@ def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
                                    f_optimizer=tmp_path / 'optimizer.pt')
     assert len(plain.optimizer_.state) == 6  # Adam's state for 6 tensors
     predicted = str(plain.predict(X[:5].astype('float32')))
-    assert proc.stdout.count(predicted + '\n') == WORLD_SIZE, (
-        predicted, proc.stdout)
+    # the ranks share one stdout, so their lines may interleave
+    assert proc.stdout.count(predicted) == WORLD_SIZE, (predicted, proc.stdout)
