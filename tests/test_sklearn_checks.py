@@ -1,5 +1,6 @@
 """scikit-learn's estimator checks: the GradAcc nets pass every check that
-the plain skorch nets pass, with the same set-up."""
+the large-batch net (plain skorch with ``batch_size * acc_steps``) passes,
+with the same set-up and seed, and no other."""
 
 import warnings
 
@@ -28,10 +29,13 @@ class LazySoftmaxMLP(LazyMLP):
         return torch.softmax(super().forward(X), dim=-1)
 
 
-SETUP = dict(max_epochs=2, train_split=None, verbose=0, batch_size=8)
+SETUP = dict(max_epochs=2, train_split=None, verbose=0)
 
 
 def check_statuses(net):
+    # the same initial weights and shuffles for both nets: a check whose
+    # outcome depends on them must not pass on one side by chance
+    torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         results = check_estimator(net, on_fail=None)
@@ -45,11 +49,13 @@ def check_statuses(net):
 
 
 @pytest.mark.parametrize('plain, grad_acc', [
-    (NeuralNetRegressor(LazyMLP, module__n_out=1, **SETUP),
-     GradAccNeuralNetRegressor(LazyMLP, module__n_out=1, acc_steps=2, **SETUP)),
-    (NeuralNetClassifier(LazySoftmaxMLP, module__n_out=3, **SETUP),
-     GradAccNeuralNetClassifier(LazySoftmaxMLP, module__n_out=3, acc_steps=2,
-                                **SETUP)),
+    (NeuralNetRegressor(LazyMLP, module__n_out=1, batch_size=16, **SETUP),
+     GradAccNeuralNetRegressor(LazyMLP, module__n_out=1, batch_size=8,
+                               acc_steps=2, **SETUP)),
+    (NeuralNetClassifier(LazySoftmaxMLP, module__n_out=3, batch_size=16,
+                         **SETUP),
+     GradAccNeuralNetClassifier(LazySoftmaxMLP, module__n_out=3, batch_size=8,
+                                acc_steps=2, **SETUP)),
 ], ids=['regressor', 'classifier'])
 def test_grad_acc_passes_what_plain_passes(plain, grad_acc):
     expected = check_statuses(plain)
@@ -57,5 +63,11 @@ def test_grad_acc_passes_what_plain_passes(plain, grad_acc):
     passed_by_plain = {name for name, ok in expected.items() if ok}
     assert len(passed_by_plain) > 15  # the set-up is a sensible one
     assert {name for name in passed_by_plain if not actual.get(name)} == set()
-    # and no check passes only by chance on one side
-    assert {name for name, ok in actual.items() if ok} == passed_by_plain
+    # and no check passes only by chance on one side, except those that
+    # compare float32 predictions of rows in other batches: which rows share
+    # a matrix product changes its rounding, so they pass or fail by a few
+    # ulps, on either side, from run to run
+    by_rounding = {'check_methods_sample_order_invariance',
+                   'check_methods_subset_invariance'}
+    assert ({name for name, ok in actual.items() if ok} - by_rounding
+            == passed_by_plain - by_rounding)
