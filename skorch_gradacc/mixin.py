@@ -23,20 +23,21 @@ Where things happen, in one place each:
 
 import contextlib
 import inspect
+import math
 import numbers
 import sys
 
 import torch
-from skorch.callbacks import BatchScoring, EpochScoring, LRScheduler, ProgressBar
+from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
 
+from skorch_gradacc.batch_reads import callback_reads
 from skorch_gradacc.batching import (
     batch_len,
     concat_outputs,
     detach_outputs,
     split_batch,
 )
-from skorch_gradacc.callbacks import GradAccLRScheduler, GradAccProgressBar
 from skorch_gradacc.distributed import gradient_sync
 from skorch_gradacc.grouping import MicroBatchGroup, MicroBatchGroups
 from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
@@ -269,23 +270,49 @@ class GradAccMixin(StepDecisionMixin):
     # Initialization
 
     def initialize_callbacks(self):
-        """Initialize the callbacks; some of skorch's are made step-aware.
+        """Initialize the callbacks, and check what they read of a batch.
 
-        A plain :class:`skorch.callbacks.ProgressBar` in ``callbacks_`` is
-        replaced by a :class:`~skorch_gradacc.GradAccProgressBar`, whose bar
-        counts optimizer steps, and a plain
-        :class:`skorch.callbacks.LRScheduler` by a
-        :class:`~skorch_gradacc.GradAccLRScheduler`, which does not advance
-        on skipped steps; both with the same parameters.
+        The callbacks are skorch's, initialized in place: the objects in
+        ``callbacks`` are the ones in ``callbacks_``. A class attribute
+        ``train_batch_reads`` that is not a collection of ``'X'``, ``'y'``
+        and ``'y_pred'`` raises a ValueError here, before any training (see
+        :meth:`get_train_outputs_needed`).
 
         """
         super().initialize_callbacks()
-        self.callbacks_ = [
-            (name, _STEP_AWARE[type(cb)](**cb.get_params()).initialize()
-             if type(cb) in _STEP_AWARE else cb)
-            for name, cb in self.callbacks_
-        ]
+        for _, cb in self.callbacks_:
+            callback_reads(self, cb)
         return self
+
+    def notify(self, method_name, **cb_kwargs):
+        """Call the callbacks, as skorch does.
+
+        After ``on_epoch_begin``, a :class:`skorch.callbacks.ProgressBar` with
+        ``batches_per_epoch='auto'`` is told the epoch's number of optimizer
+        steps, which is its number of training batches: skorch's bar counts
+        ``batch_size`` rows per training batch, a GradAcc net's training
+        batch is a group of ``acc_steps`` micro-batches.
+
+        """
+        super().notify(method_name, **cb_kwargs)
+        if method_name == 'on_epoch_begin':
+            self._count_steps_in_progress_bars(cb_kwargs.get('dataset_train'))
+
+    def _count_steps_in_progress_bars(self, dataset_train):
+        acc_steps = self.get_acc_steps()
+        if dataset_train is None or acc_steps == 1:
+            return
+        for _, cb in self.callbacks_:
+            if not (isinstance(cb, ProgressBar)
+                    and cb.batches_per_epoch == 'auto'):
+                continue
+            pbar = getattr(cb, 'pbar_', None)
+            if pbar is None or pbar.total is None:
+                continue
+            # the bar counted micro-batches of batch_size rows
+            micro = cb._get_batches_per_epoch_phase(self, dataset_train, True)
+            if micro > 0:
+                pbar.total += math.ceil(micro / acc_steps) - micro
 
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
@@ -325,54 +352,96 @@ class GradAccMixin(StepDecisionMixin):
     # The epoch: one batch per group
 
     def get_train_outputs_needed(self):
-        """Return what the callbacks read of a training step.
+        """Return what is kept of a training group for the callbacks.
 
-        A training step's micro-batches and outputs are freed as soon as
-        their backward is done, unless something needs them:
+        skorch passes each training batch to the callbacks as ``batch``
+        (``on_batch_begin``, ``on_grad_computed``, ``on_batch_end``) and its
+        outputs as ``y_pred`` (``on_batch_end``). A GradAcc net's batch is a
+        group of micro-batches, each freed after its backward pass unless a
+        callback reads it. Then the callbacks get what the large-batch net
+        passes them: the whole group's rows and outputs.
 
-        * the whole group's rows (``batch`` in ``on_batch_begin`` and
-          ``on_batch_end``): a :class:`skorch.callbacks.BatchScoring` with
-          ``on_train=True``, a callback with the class attribute
-          ``needs_train_batch = True``, a closure optimizer such as LBFGS
-          or several optimizers, each of which evaluates the group, and
-          ``micro_batch_size='auto'``, which replays a group after an
-          out-of-memory error;
-        * the group's outputs (``y_pred`` in ``on_batch_end``): a
-          :class:`skorch.callbacks.EpochScoring` or ``BatchScoring`` with
-          ``on_train=True`` and ``use_caching=True``, or a callback with the
-          class attribute ``needs_train_y_pred = True``. Otherwise
-          ``on_batch_end`` gets ``y_pred=None``.
+        * skorch's own callbacks are known: an
+          :class:`~skorch.callbacks.EpochScoring` with ``on_train=True`` that
+          caches (its ``use_caching``, or the net's if not ``'auto'``) reads
+          the targets and the outputs, a
+          :class:`~skorch.callbacks.BatchScoring` with ``on_train=True`` the
+          inputs and targets, and the outputs if it caches. The others read
+          none of them.
+        * A callback of your own that overrides ``on_batch_begin``,
+          ``on_grad_computed`` or ``on_batch_end`` is taken to read all of
+          them, unless its class declares what it reads in the attribute
+          ``train_batch_reads``: a collection of ``'X'`` (inputs), ``'y'``
+          (targets) and ``'y_pred'`` (outputs), or ``()`` for none of them.
+          For example, a callback that logs the running loss from the
+          history declares ``train_batch_reads = ()``.
 
-        Keeping them costs the memory of the group's micro-batches, as the
-        training iterator yields them, or of its outputs, detached; never
-        that of activations.
+        The memory this costs, until the group's step is done: the group's
+        micro-batches as the iterator yielded them (``'X'``, or ``'y'`` read
+        in ``on_batch_begin``), the group's targets (``'y'``), or its
+        outputs, detached (``'y_pred'``); never activations. The inputs are
+        also kept for an optimizer that evaluates the group more than once
+        (LBFGS, several optimizers, an optimizer whose ``step`` is not
+        ``torch.optim``'s own, such as a sharpness-aware one) and with
+        ``micro_batch_size='auto'``, which replays a group after an
+        out-of-memory error. With nothing read, ``y_pred`` is None, and the
+        net holds one micro-batch at a time.
 
         Returns
         -------
         needed : dict
-          ``{'batch': bool, 'y_pred': bool}``.
+          ``{'batch': bool, 'y': bool, 'y_pred': bool}``: whether the group
+          keeps its micro-batches, its targets, and its outputs.
+
+        Examples
+        --------
+        >>> from skorch.callbacks import Callback, EpochScoring
+        >>> from skorch.toy import make_classifier
+        >>> from skorch_gradacc import GradAccNeuralNetClassifier
+        >>> class PrintLoss(Callback):
+        ...     train_batch_reads = ()  # reads only the history
+        ...     def on_batch_end(self, net, **kwargs):
+        ...         pass
+        >>> net = GradAccNeuralNetClassifier(
+        ...     make_classifier(), acc_steps=4, callbacks=[
+        ...         PrintLoss(), EpochScoring('accuracy', on_train=True)])
+        >>> net.initialize().get_train_outputs_needed()
+        {'batch': False, 'y': True, 'y_pred': True}
 
         """
-        batch = y_pred = False
+        reads, at_begin = set(), False
         for _, cb in getattr(self, 'callbacks_', []):
-            scores_train = (isinstance(cb, (BatchScoring, EpochScoring))
-                            and cb.on_train)
-            batch |= (scores_train and isinstance(cb, BatchScoring)
-                      or getattr(cb, 'needs_train_batch', False))
-            y_pred |= (scores_train and cb.use_caching
-                       or getattr(cb, 'needs_train_y_pred', False))
-        batch |= self.micro_batch_size == 'auto' or self._reevaluates_group()
-        return {'batch': batch, 'y_pred': y_pred}
+            cb_reads, cb_at_begin = callback_reads(self, cb)
+            reads |= cb_reads
+            at_begin |= cb_at_begin
+        batch = ('X' in reads or at_begin or self.micro_batch_size == 'auto'
+                 or self._reevaluates_group())
+        return {'batch': batch, 'y': 'y' in reads, 'y_pred': 'y_pred' in reads}
 
     def _reevaluates_group(self):
-        """Whether a step evaluates the group more than once.
+        """Whether a step may evaluate the group more than once.
 
         skorch passes the closure to each optimizer's ``step``, so with
-        several optimizers, or LBFGS, the group is evaluated again.
+        several optimizers, or LBFGS, the group is evaluated again. So may
+        an optimizer whose ``step`` is not one of ``torch.optim``'s, e.g. a
+        sharpness-aware one, which evaluates the closure twice.
         """
-        return (len(self._optimizers) > 1 or any(
-            isinstance(getattr(self, name + '_', None), torch.optim.LBFGS)
-            for name in self._optimizers))
+        if len(self._optimizers) > 1:
+            return True
+        for name in self._optimizers:
+            optimizer = getattr(self, name + '_', None)
+            # a wrapper such as Accelerate's AcceleratedOptimizer
+            while isinstance(getattr(optimizer, 'optimizer', None),
+                             torch.optim.Optimizer):
+                optimizer = optimizer.optimizer
+            if optimizer is None:
+                continue
+            if isinstance(optimizer, torch.optim.LBFGS):
+                return True
+            step = getattr(type(optimizer), 'step', None)
+            if not getattr(step, '__module__', '').startswith('torch.optim'):
+                return True
+        return False
 
     def _trains_in_groups(self):
         """Whether training needs the group loop; else it is plain skorch's."""
@@ -393,7 +462,8 @@ class GradAccMixin(StepDecisionMixin):
             needed = self.get_train_outputs_needed()
             self.keep_train_y_pred_ = needed['y_pred']
             iterator = MicroBatchGroups(iterator, self.get_acc_steps(),
-                                        keep=needed['batch'])
+                                        keep=needed['batch'],
+                                        keep_targets=needed['y'])
             if gradient_sync(self) is not None:
                 _check_has_length(iterator)
         return super().run_single_epoch(
@@ -492,7 +562,10 @@ class GradAccMixin(StepDecisionMixin):
         ...         return int((y != -100).sum())
 
         """
-        if getattr(self.criterion_, 'reduction', None) == 'sum':
+        criteria = [getattr(self, name + '_', None) for name in self._criteria]
+        reductions = {getattr(criterion, 'reduction', None)
+                      for criterion in criteria}
+        if reductions == {'sum'}:
             return None
         return batch_len(batch)
 
@@ -732,8 +805,6 @@ class GradAccMixin(StepDecisionMixin):
             super(GradAccMixin, self).evaluation_step(piece, training=training)
             for piece in pieces])
 
-
-_STEP_AWARE = {ProgressBar: GradAccProgressBar, LRScheduler: GradAccLRScheduler}
 
 _OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
     (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())

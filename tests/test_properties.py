@@ -13,7 +13,7 @@ from conftest import PARAM_ATOL, classification_data, fit_pair, max_param_diff
 class RecordSampleIds(Callback):
     """Record which samples each optimizer step used (column 0 holds ids)."""
 
-    needs_train_batch = True
+    train_batch_reads = ('X',)
 
     def initialize(self):
         self.steps_ = []
