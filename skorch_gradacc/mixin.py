@@ -27,6 +27,7 @@ import math
 import numbers
 import sys
 
+import numpy as np
 import torch
 from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
@@ -605,14 +606,67 @@ class GradAccMixin(StepDecisionMixin):
         """
         buffers = self._snapshot_buffers()
         while True:
+            self.piece_records_ = []
             try:
-                return self._accumulate_gradients(group, **fit_params)
+                step = self._accumulate_gradients(group, **fit_params)
             except _OUT_OF_MEMORY_ERRORS:
                 if self.micro_batch_size != 'auto':
                     raise
+            else:
+                self._merge_piece_records()
+                return step
             # outside the except block, so that the failed attempt's
             # tensors, held by the traceback, are freed
             self._back_off_micro_batch_size(group, buffers)
+
+    def _train_piece(self, piece, count, **fit_params):
+        """Run ``train_step_single`` on one piece; note what it recorded.
+
+        Values that ``train_step_single``, ``get_loss`` or ``infer`` record in
+        the batch's history row are noted with the piece's item count, and
+        combined by :meth:`_merge_piece_records` once the group is done.
+        """
+        row = self._current_batch_row()
+        before = dict(row) if row is not None else None
+        step = self._run_scaled(self.train_step_single, piece, **fit_params)
+        if row is not None and getattr(self, 'piece_records_', None) is not None:
+            self.piece_records_.append((count, {
+                key: value for key, value in row.items()
+                if key not in before or before[key] is not value}))
+        return step
+
+    def _current_batch_row(self):
+        try:
+            return self.history[-1]['batches'][-1]
+        except (IndexError, KeyError):  # a step outside skorch's epoch loop
+            return None
+
+    def _merge_piece_records(self):
+        """Give the batch row the values the large batch would have recorded.
+
+        A float that several pieces recorded under the same key (say, one
+        term of a loss, recorded in ``get_loss``) is combined as the loss
+        is: the mean weighted by :meth:`count_loss_items`, or the sum when
+        the loss is a sum. Other values keep the last piece's.
+        """
+        records, self.piece_records_ = self.piece_records_, []
+        row = self._current_batch_row()
+        if row is None or len(records) < 2:
+            return
+        for key in {key for _, values in records for key in values}:
+            pairs = [(count, values[key]) for count, values in records
+                     if key in values]
+            if len(pairs) < 2 or not all(_is_float(value) for _, value in pairs):
+                continue
+            if all(count is None for count, _ in pairs):  # summed losses
+                merged = sum(value for _, value in pairs)
+            else:
+                counted = [(count, value) for count, value in pairs if count]
+                if not counted:
+                    continue
+                merged = (sum(count * value for count, value in counted)
+                          / sum(count for count, _ in counted))
+            row[key] = merged
 
     def _pieces(self, group):
         """Yield ``(piece, is_last)`` for the micro-batches of ``group``.
@@ -674,8 +728,7 @@ class GradAccMixin(StepDecisionMixin):
                                if not summed and unit and global_total else 1.0)
             with (contextlib.nullcontext() if sync is None
                   else sync.context(syncs)):
-                step = self._run_scaled(self.train_step_single, piece,
-                                        **fit_params)
+                step = self._train_piece(piece, count, **fit_params)
             loss = step['loss'].detach()
             if summed or count:
                 losses.append(loss if summed else count * loss)
@@ -822,6 +875,15 @@ def grad_acc_params_doc():
     section = doc[start:end].rstrip()
     return '\n' + '\n'.join(
         '    ' + line if line else line for line in section.splitlines()) + '\n'
+
+
+def _is_float(value):
+    """Whether ``value`` is a float scalar: Python, numpy, or a 0-d tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and value.dtype.is_floating_point
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and np.issubdtype(value.dtype, np.floating)
+    return isinstance(value, (float, np.floating))
 
 
 def _is_positive_int(value):

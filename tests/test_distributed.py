@@ -1,6 +1,6 @@
 """Data-parallel training with real processes: 2 ranks, gloo, on the CPU.
 
-torchrun starts tests/distributed/ddp_worker.py twice; the ranks save what
+torchrun starts tests/torchrun_scripts/ddp_worker.py twice; the ranks save what
 they ended with, and the test compares it with the single-process net with
 ``batch_size * acc_steps * world_size``.
 """
@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from skorch import NeuralNet, NeuralNetClassifier
@@ -18,8 +17,8 @@ from test_normalization import IGNORE, TokenTagger, token_data
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
-WORKER = Path(__file__).parent / 'distributed' / 'ddp_worker.py'
-LATE_RELEASE = Path(__file__).parent / 'distributed' / 'late_release.py'
+WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
+LATE_RELEASE = Path(__file__).parent / 'torchrun_scripts' / 'late_release.py'
 WORLD_SIZE, BATCH_SIZE, ACC_STEPS = 2, 8, 3
 TIME_LIMIT = 240
 
@@ -91,7 +90,7 @@ def test_a_failing_rank_does_not_hang(tmp_path):
     assert proc.returncode != 0
     assert 'rank 1 fails on purpose' in proc.stdout + proc.stderr
     assert not (tmp_path / 'rank0.pt').exists()
-    assert np.isfinite(TIME_LIMIT)
+    # a hang would have raised subprocess.TimeoutExpired in torchrun
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)

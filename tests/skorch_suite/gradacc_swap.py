@@ -1,26 +1,105 @@
 """A pytest plugin that runs skorch's own test-suite against the GradAcc nets.
 
 skorch's tests get their net classes with ``from skorch import
-NeuralNetClassifier`` (and so on). This plugin replaces those names in the
-``skorch`` package with the GradAcc nets, with the default ``acc_steps=1``,
-before any test module is imported. skorch's internals refer to the classes
-through their own modules, which are left alone.
+NeuralNetClassifier``, ``from skorch.classifier import
+NeuralNetBinaryClassifier`` or ``from skorch.net import NeuralNet``. This
+plugin puts the GradAcc nets in all of those places before any test module
+is imported. skorch's own code keeps its classes: ``skorch.classifier`` and
+``skorch.regressor`` name themselves in ``super(NeuralNetClassifier,
+self)``, so the tests see a copy of those modules with the names swapped,
+while skorch's functions keep reading the original modules.
+
+The environment variable ``GRADACC_SUITE_MODE`` chooses how the GradAcc nets
+train (the mode's name is in the pytest header):
+
+``plain``
+  the defaults: ``acc_steps=1``, no option set, plain skorch's training.
+``stream``
+  ``micro_batch_size`` defaults to ``MICRO_BATCH_SIZE``: every training
+  batch larger than that goes through the group loop in several pieces, and
+  so do validation and prediction batches.
+``acc2``
+  ``acc_steps`` defaults to 2, and the training iterator yields
+  micro-batches of half the ``batch_size`` the test asks for (when it is
+  even; else whole batches with one micro-batch per step), so each step's
+  group holds the rows of the batch the test asks for.
 
 Used by ``tests/test_skorch_suite.py``::
 
-    python -m pytest -p gradacc_swap --pyargs skorch.tests.test_net ...
+    GRADACC_SUITE_MODE=stream python -m pytest -p gradacc_swap \\
+        --pyargs skorch.tests.test_net ...
 
 """
 
+import inspect
+import os
+import sys
+import types
+
 import skorch
+import skorch.classifier
+import skorch.net
+import skorch.regressor
 
 import skorch_gradacc
 
+MODE = os.environ.get('GRADACC_SUITE_MODE', 'plain')
+MICRO_BATCH_SIZE = 16
+MODES = ('plain', 'stream', 'acc2')
+if MODE not in MODES:
+    raise ValueError('GRADACC_SUITE_MODE must be one of {}, got {!r}.'.format(
+        MODES, MODE))
+
+
+def _with_defaults(base, **defaults):
+    """Return a subclass of ``base`` whose parameters default to ``defaults``.
+
+    Its ``__init__`` signature, which scikit-learn reads, shows the new
+    defaults, so that ``clone`` and ``get_params`` keep them.
+    """
+    if not defaults:
+        return base
+
+    def __init__(self, *args, **kwargs):
+        for name, value in defaults.items():
+            kwargs.setdefault(name, value)
+        super(cls, self).__init__(*args, **kwargs)
+
+    signature = inspect.signature(base.__init__)
+    __init__.__signature__ = signature.replace(parameters=[
+        param.replace(default=defaults[name]) if name in defaults else param
+        for name, param in signature.parameters.items()])
+    def get_iterator(self, dataset, training=False):
+        """In training, yield micro-batches of half ``batch_size``, if even."""
+        if not training or MODE != 'acc2':
+            return super(cls, self).get_iterator(dataset, training=training)
+        kwargs = self.get_params_for('iterator_train')
+        batch_size = kwargs.get('batch_size', self.batch_size)
+        if batch_size == -1:
+            batch_size = len(dataset)
+        if ('batch_sampler' in kwargs or not isinstance(batch_size, int)
+                or batch_size % 2 or self.get_acc_steps() != 2):
+            self.acc_steps_ = 1  # this fit's batches as they are
+            return super(cls, self).get_iterator(dataset, training=True)
+        kwargs['batch_size'] = batch_size // 2
+        return self.iterator_train(dataset, **kwargs)
+
+    namespace = {'__init__': __init__, 'get_iterator': get_iterator,
+                 '__module__': base.__module__, '__doc__': base.__doc__}
+    cls = type(base.__name__, (base,), namespace)
+    return cls
+
+
+DEFAULTS = {
+    'plain': {},
+    'stream': {'micro_batch_size': MICRO_BATCH_SIZE},
+    'acc2': {'acc_steps': 2},
+}[MODE]
+
 SWAPPED = {
-    'NeuralNet': skorch_gradacc.GradAccNeuralNet,
-    'NeuralNetClassifier': skorch_gradacc.GradAccNeuralNetClassifier,
-    'NeuralNetBinaryClassifier': skorch_gradacc.GradAccNeuralNetBinaryClassifier,
-    'NeuralNetRegressor': skorch_gradacc.GradAccNeuralNetRegressor,
+    name: _with_defaults(getattr(skorch_gradacc, 'GradAcc' + name), **DEFAULTS)
+    for name in ['NeuralNet', 'NeuralNetClassifier',
+                 'NeuralNetBinaryClassifier', 'NeuralNetRegressor']
 }
 
 
@@ -55,11 +134,47 @@ def pytest_collection_modifyitems(config, items):
         items[:] = selected
 
 
+def _module_copy(module, **names):
+    """A copy of ``module`` for ``import`` statements, with ``names`` swapped."""
+    copy = types.ModuleType(module.__name__, module.__doc__)
+    copy.__dict__.update(vars(module))
+    copy.__dict__.update(names)
+    return copy
+
+
+def _refuse_plain_nets():
+    """Make fitting a net that is not a GradAcc net an error.
+
+    So a test that gets skorch's own class from somewhere the swap missed
+    fails, instead of passing on plain skorch.
+    """
+    partial_fit = skorch.net.NeuralNet.partial_fit
+
+    def checked_partial_fit(self, *args, **kwargs):
+        if not isinstance(self, skorch_gradacc.GradAccMixin):
+            raise AssertionError(
+                'gradacc_swap: a plain {} was fitted; the swap missed where '
+                'this test imports it from'.format(type(self).__name__))
+        return partial_fit(self, *args, **kwargs)
+
+    skorch.net.NeuralNet.partial_fit = checked_partial_fit
+
+
 def pytest_configure(config):
+    _refuse_plain_nets()
     for name, cls in SWAPPED.items():
         setattr(skorch, name, cls)
+    # skorch.net refers to NeuralNet only in docstrings: swapped in place
+    skorch.net.NeuralNet = SWAPPED['NeuralNet']
+    for module, names in [
+            (skorch.classifier, ['NeuralNetClassifier',
+                                 'NeuralNetBinaryClassifier']),
+            (skorch.regressor, ['NeuralNetRegressor'])]:
+        copy = _module_copy(module, **{name: SWAPPED[name] for name in names})
+        sys.modules[module.__name__] = copy
+        setattr(skorch, module.__name__.rsplit('.', 1)[1], copy)
 
 
 def pytest_report_header(config):
-    return 'gradacc_swap: skorch.{} are the GradAcc nets'.format(
-        ', skorch.'.join(SWAPPED))
+    return 'gradacc_swap: skorch.{} are the GradAcc nets, mode {}'.format(
+        ', skorch.'.join(SWAPPED), MODE)
