@@ -51,14 +51,15 @@ if MODE not in MODES:
         MODES, MODE))
 
 
-def _with_defaults(base, **defaults):
+def _swapped(base, *extra_bases, **defaults):
     """Return a subclass of ``base`` whose parameters default to ``defaults``.
 
     Its ``__init__`` signature, which scikit-learn reads, shows the new
-    defaults, so that ``clone`` and ``get_params`` keep them.
+    defaults, so that ``clone`` and ``get_params`` keep them. The classifier
+    and regressor classes also derive from the swapped ``NeuralNet`` (in
+    ``extra_bases``), as skorch's derive from ``NeuralNet``: a test that
+    patches ``skorch.NeuralNet.save_params`` patches all nets.
     """
-    if not defaults:
-        return base
 
     def __init__(self, *args, **kwargs):
         for name, value in defaults.items():
@@ -69,6 +70,7 @@ def _with_defaults(base, **defaults):
     __init__.__signature__ = signature.replace(parameters=[
         param.replace(default=defaults[name]) if name in defaults else param
         for name, param in signature.parameters.items()])
+
     def get_iterator(self, dataset, training=False):
         """In training, yield micro-batches of half ``batch_size``, if even."""
         if not training or MODE != 'acc2':
@@ -84,9 +86,11 @@ def _with_defaults(base, **defaults):
         kwargs['batch_size'] = batch_size // 2
         return self.iterator_train(dataset, **kwargs)
 
+    # defined in this module under the base's name, so that pickle finds it
     namespace = {'__init__': __init__, 'get_iterator': get_iterator,
-                 '__module__': base.__module__, '__doc__': base.__doc__}
-    cls = type(base.__name__, (base,), namespace)
+                 '__module__': __name__, '__doc__': base.__doc__}
+    cls = type(base.__name__, (base, *extra_bases), namespace)
+    globals()[base.__name__] = cls
     return cls
 
 
@@ -96,11 +100,13 @@ DEFAULTS = {
     'acc2': {'acc_steps': 2},
 }[MODE]
 
-SWAPPED = {
-    name: _with_defaults(getattr(skorch_gradacc, 'GradAcc' + name), **DEFAULTS)
-    for name in ['NeuralNet', 'NeuralNetClassifier',
-                 'NeuralNetBinaryClassifier', 'NeuralNetRegressor']
-}
+SWAPPED = {'NeuralNet': _swapped(skorch_gradacc.GradAccNeuralNet, **DEFAULTS)}
+SWAPPED.update({
+    name: _swapped(getattr(skorch_gradacc, 'GradAcc' + name),
+                   SWAPPED['NeuralNet'], **DEFAULTS)
+    for name in ['NeuralNetClassifier', 'NeuralNetBinaryClassifier',
+                 'NeuralNetRegressor']
+})
 
 
 # Tests of skorch's suite that cannot apply to a differently named net class
