@@ -332,26 +332,35 @@ class TestOneMicroBatchAlive:
         assert sorted(dict(net.callbacks_)['reads'].sizes_) == [13, 16, 16, 16]
         assert net.module_.alive_.most_alive['X'] == 3
 
-    def test_train_scoring_keeps_what_it_reads(self, clf_data):
-        X, y = clf_data
-        net = GradAccNeuralNet(
-            torch.nn.Linear, module__in_features=10, module__out_features=3,
-            module__dtype=DTYPE, criterion=torch.nn.CrossEntropyLoss,
-            acc_steps=2, verbose=0, max_epochs=1)
-        cases = [
-            ([], {'batch': False, 'y': False, 'y_pred': False}),
-            ([EpochScoring('neg_log_loss', on_train=True)],
-             {'batch': False, 'y': True, 'y_pred': True}),
-            ([EpochScoring('neg_log_loss', on_train=True, use_caching=False)],
-             {'batch': False, 'y': False, 'y_pred': False}),
-            ([BatchScoring('neg_log_loss', on_train=True)],
-             {'batch': True, 'y': True, 'y_pred': True}),
-            ([EpochScoring('neg_log_loss')],
-             {'batch': False, 'y': False, 'y_pred': False}),
-        ]
-        for callbacks, expected in cases:
-            net.set_params(callbacks=callbacks).initialize()
-            assert net.get_train_outputs_needed() == expected, callbacks
+    @pytest.mark.parametrize('scoring_cls, inputs_alive', [
+        (EpochScoring, 0),  # caches targets and outputs, never inputs
+        (BatchScoring, 3),  # scores (X, y): the group's inputs are kept
+    ])
+    def test_train_scoring_keeps_what_it_reads(self, scoring_cls,
+                                               inputs_alive):
+        # skorch's scorers, with their defaults, on training: what is alive
+        # at each forward, and the scores of the large-batch net
+        def token_accuracy(net, X, y):
+            logits = net.forward(X)
+            mask = torch.as_tensor(y) != IGNORE
+            hits = (logits.argmax(-1) == torch.as_tensor(y))[mask]
+            return hits.double().mean().item()
+
+        scoring = scoring_cls(token_accuracy, on_train=True, name='tok_acc')
+        net = fit_watched(callbacks=[('scoring', scoring)],
+                          collate_fn=pad_to_12)
+        assert net.module_.alive_.most_alive['X'] == inputs_alive
+        seqs = sequences()
+        plain = NeuralNet(
+            TokenLM, iterator_train__batch_size=1,
+            iterator_train__batch_sampler=UnionSampler(BucketSampler(seqs, 4), 4),
+            iterator_train__collate_fn=pad_to_12,
+            callbacks=[('scoring', scoring_cls(
+                token_accuracy, on_train=True, name='tok_acc'))],
+            **{**COMMON, 'max_epochs': 1})
+        fit_seeded(plain, SequenceDataset(seqs))
+        np.testing.assert_allclose(net.history[:, 'tok_acc'],
+                                   plain.history[:, 'tok_acc'], rtol=1e-12)
 
     def test_reading_an_unkept_batch_says_how_to_keep_it(self):
         class ReadsBatch(Callback):
