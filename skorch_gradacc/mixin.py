@@ -490,9 +490,10 @@ class GradAccMixin(StepDecisionMixin):
         Returns
         -------
         step : dict
-          ``{'loss': loss, 'y_pred': y_pred}`` for the whole group, both
-          detached; ``y_pred`` is None unless a callback reads it (see
-          :meth:`get_train_outputs_needed`).
+          ``{'loss': loss, 'y_pred': y_pred}`` for the whole group.
+          ``y_pred`` is detached, and None unless a callback reads it (see
+          :meth:`get_train_outputs_needed`). ``loss`` holds no graph but
+          requires grad, as the loss skorch's ``train_step`` returns.
 
         """
         if not isinstance(batch, MicroBatchGroup):  # plain skorch's training
@@ -520,7 +521,7 @@ class GradAccMixin(StepDecisionMixin):
             # have not stepped, and the partial gradient must not survive.
             self._zero_grad_optimizer()
             raise
-        return step_accumulator.get_step()
+        return _as_skorch_step(step_accumulator.get_step())
 
     # Accumulation and normalization
 
@@ -875,6 +876,21 @@ def grad_acc_params_doc():
     section = doc[start:end].rstrip()
     return '\n' + '\n'.join(
         '    ' + line if line else line for line in section.splitlines()) + '\n'
+
+
+def _as_skorch_step(step):
+    """Return the step with a loss that requires grad, as skorch's does.
+
+    skorch's ``train_step`` returns the loss of the graph it trained on, so
+    callbacks see ``loss.requires_grad`` in training. The group's loss is
+    a sum of detached losses (their graphs are freed after each backward),
+    so it is made a leaf that requires grad: no graph is kept.
+    """
+    loss = step.get('loss') if isinstance(step, dict) else None
+    if (isinstance(loss, torch.Tensor) and loss.is_floating_point()
+            and not loss.requires_grad):
+        step = dict(step, loss=loss.detach().requires_grad_())
+    return step
 
 
 def _is_float(value):

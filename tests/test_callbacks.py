@@ -86,13 +86,15 @@ class TestCallbackCalls:
             torch.testing.assert_close(y_acc, y_plain.detach(), rtol=1e-10,
                                        atol=1e-12)
 
-    def test_batch_end_gets_detached_tensors(self, recorded_pair):
-        acc, _ = recorded_pair
+    def test_batch_end_gets_tensors_without_graphs(self, recorded_pair):
+        acc, plain = recorded_pair
         full_groups = [step for step in acc.batch_end_ if step[0] == 32]
         assert full_groups
         for _, loss, y_pred in full_groups:
-            assert not loss.requires_grad
-            assert not y_pred.requires_grad
+            # the loss requires grad, as plain skorch's, with no graph kept
+            assert loss.requires_grad and loss.grad_fn is None
+            assert y_pred.grad_fn is None
+        assert all(loss.requires_grad for _, loss, _ in plain.batch_end_)
 
 
 SCHEDULERS = {

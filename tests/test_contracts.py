@@ -88,7 +88,9 @@ def test_train_step_returns_loss_and_y_pred(clf_data, reader):
                                                  plain_net.steps_):
         assert batch_type is MicroBatchGroup
         assert set(step) == {'loss', 'y_pred'}
-        assert step['loss'].ndim == 0 and not step['loss'].requires_grad
+        # as skorch's: requires grad; but no graph is kept
+        assert step['loss'].ndim == 0 and step['loss'].requires_grad
+        assert step['loss'].grad_fn is None
         torch.testing.assert_close(step['loss'], expected['loss'].detach(),
                                    rtol=1e-12, atol=0)
         if reader:
