@@ -88,7 +88,7 @@ def _swapped(base, **defaults):
     # finds it
     namespace = {'__init__': __init__, 'get_iterator': get_iterator,
                  '__module__': __name__, '__qualname__': '_' + base.__name__,
-                 '__doc__': base.__doc__}
+                 '__doc__': None}  # its examples are the base's
     cls = type(base.__name__, (base,), namespace)
     globals()['_' + base.__name__] = cls
     return cls
@@ -135,7 +135,7 @@ def _neural_net(base):
 
     __init__.__signature__ = inspect.signature(base.__init__)
     return _PatchesReachAllNets('NeuralNet', (base,), {
-        '__init__': __init__, '__module__': __name__, '__doc__': base.__doc__})
+        '__init__': __init__, '__module__': __name__, '__doc__': None})
 
 
 ORIGINAL_NEURAL_NET = skorch.net.NeuralNet
