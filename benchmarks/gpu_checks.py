@@ -204,7 +204,7 @@ def check_nccl(device, dry):
         proc = subprocess.run(
             [sys.executable, '-m', 'torch.distributed.run', '--standalone',
              '--nproc_per_node', '1',
-             str(TESTS / 'distributed' / 'ddp_worker.py'), out, 'samples',
+             str(TESTS / 'torchrun_scripts' / 'ddp_worker.py'), out, 'samples',
              backend], capture_output=True, text=True, timeout=300,
             env=_env())
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -24,6 +24,11 @@ The models, each compared as plain skorch at the micro-batch ``B``,
 * ``mlp_10``: an MLP with a 10-class head (small outputs).
 * ``images``: 3x128x128 images that the model pools at once, so that the
   inputs dominate.
+* ``lm_train_acc``: ``lm_tokens`` with skorch's standard way to log the
+  training accuracy, ``EpochScoring(token_accuracy, on_train=True)`` with
+  its defaults (caching). Plain skorch caches every batch's logits and
+  targets for the epoch's score; the GradAcc net must cache the same, and
+  no more (never the inputs, no activations).
 
 ``--sweep`` also measures ``lm_tokens`` for ``acc_steps`` from 1 to 32 at a
 fixed micro-batch. Writes ``stream_memory.json``, ``stream_memory.md`` and
@@ -47,6 +52,7 @@ MODELS = {
     'mlp_4096': (256, 16, 8192),
     'mlp_10': (256, 16, 8192),
     'images': (8, 32, 512),
+    'lm_train_acc': (8, 32, 512),
 }
 
 VOCAB, TOKENS = 2000, 64
@@ -73,9 +79,9 @@ def _build(name, rows):
         def forward(self, logits, y):
             return super().forward(logits.reshape(-1, VOCAB), y.reshape(-1))
 
-    if name in ('lm_tokens', 'lm_last'):
+    if name in ('lm_tokens', 'lm_last', 'lm_train_acc'):
         X = torch.randint(0, VOCAB, (rows, TOKENS), generator=generator)
-        if name == 'lm_tokens':
+        if name != 'lm_last':
             y = torch.randint(0, VOCAB, (rows, TOKENS), generator=generator)
             return TokenHead(False), TokenCrossEntropy, X, y
         y = torch.randint(0, VOCAB, (rows,), generator=generator)
@@ -96,6 +102,23 @@ def _build(name, rows):
             torch.nn.Linear(3, 10))
         return module, torch.nn.CrossEntropyLoss, X, y
     raise ValueError('unknown model {!r}'.format(name))
+
+
+def token_accuracy(net, X, y):
+    """The share of tokens whose most likely word is the target."""
+    import torch
+
+    logits = net.forward(X)  # the cached outputs, with caching
+    return float((logits.argmax(-1) == torch.as_tensor(y)).double().mean())
+
+
+def _callbacks(name):
+    """Return the callbacks a model trains with."""
+    if name != 'lm_train_acc':
+        return []
+    from skorch.callbacks import EpochScoring
+
+    return [EpochScoring(token_accuracy, on_train=True, name='train_acc')]
 
 
 def _status_kib(field):
@@ -119,7 +142,8 @@ def _child(name, kind, batch_size, acc_steps, rows):
     torch.set_num_threads(1)
     module, criterion, X, y = _build(name, rows)
     kwargs = dict(criterion=criterion, max_epochs=1, train_split=None,
-                  verbose=0, lr=0.01, optimizer=torch.optim.SGD)
+                  verbose=0, lr=0.01, optimizer=torch.optim.SGD,
+                  callbacks=_callbacks(name))
     if kind == 'gradacc':
         net = GradAccNeuralNet(module, batch_size=batch_size,
                                acc_steps=acc_steps, **kwargs)

@@ -1,80 +1,49 @@
 """Callbacks that know about gradient accumulation."""
 
 import numbers
+import warnings
 
 from skorch.callbacks import Callback, LRScheduler, ProgressBar
 
 __all__ = ['AccumulationScheduler', 'GradAccLRScheduler', 'GradAccProgressBar']
 
 
+def _warn_deprecated(old, new):
+    warnings.warn(
+        "{} is deprecated and will be removed: a plain {} does the same on a "
+        "GradAcc net, which no longer replaces the callbacks it is given. Use "
+        "{} instead.".format(old, new, new), FutureWarning, stacklevel=3)
+
+
 class GradAccProgressBar(ProgressBar):
-    """A :class:`skorch.callbacks.ProgressBar` that counts optimizer steps.
+    """Deprecated: use :class:`skorch.callbacks.ProgressBar`.
 
-    skorch's progress bar expects ``batch_size`` samples per training batch.
-    A gradient-accumulating net trains on groups of ``batch_size *
-    acc_steps`` samples, one optimizer step each, so this bar is as long as
-    the large-batch net's. It takes the same parameters as
-    :class:`skorch.callbacks.ProgressBar`.
-
-    You rarely need to name it: :class:`skorch_gradacc.GradAccMixin` uses it
-    in place of any plain ``ProgressBar`` passed in ``callbacks``.
-
-    Examples
-    --------
-    >>> from skorch.toy import make_classifier
-    >>> from skorch_gradacc import GradAccNeuralNetClassifier
-    >>> net = GradAccNeuralNetClassifier(
-    ...     make_classifier(), batch_size=16, acc_steps=8,
-    ...     callbacks=[GradAccProgressBar()])
+    A GradAcc net tells a plain ``ProgressBar`` the epoch's number of
+    optimizer steps (see :meth:`skorch_gradacc.GradAccMixin.notify`), so this
+    class adds nothing to it any more. It takes the same parameters.
 
     """
 
-    def _get_batch_size(self, net, training):
-        batch_size = super()._get_batch_size(net, training)
-        get_acc_steps = getattr(net, 'get_acc_steps', None)
-        if training and batch_size != -1 and get_acc_steps is not None:
-            return batch_size * get_acc_steps()
-        return batch_size
+    def __init__(self, *args, **kwargs):
+        _warn_deprecated('GradAccProgressBar', 'skorch.callbacks.ProgressBar')
+        super().__init__(*args, **kwargs)
 
 
 class GradAccLRScheduler(LRScheduler):
-    """A :class:`skorch.callbacks.LRScheduler` that counts applied updates.
+    """Deprecated: use :class:`skorch.callbacks.LRScheduler`.
 
-    When ``skip_nonfinite`` or the GradScaler of ``mixed_precision='fp16'``
-    skips an optimizer step, a scheduler with ``step_every='batch'`` does
-    not advance, so that it counts the updates that were applied, as
-    skorch's scheduler does for Accelerate's skipped steps. It takes the
-    same parameters as :class:`skorch.callbacks.LRScheduler`.
-
-    You rarely need to name it: :class:`skorch_gradacc.GradAccMixin` uses it
-    in place of any plain ``LRScheduler`` passed in ``callbacks``. A subclass
-    of ``LRScheduler`` of your own is left as it is; derive it from this
-    class instead to get the same behavior.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from skorch.toy import make_classifier
-    >>> from skorch_gradacc import GradAccNeuralNetClassifier
-    >>> net = GradAccNeuralNetClassifier(
-    ...     make_classifier(), batch_size=16, acc_steps=8, skip_nonfinite=True,
-    ...     callbacks=[GradAccLRScheduler(torch.optim.lr_scheduler.StepLR,
-    ...                                   step_size=1, step_every='batch')])
+    A plain ``LRScheduler`` with ``step_every='batch'`` does not advance on
+    a step that a GradAcc net skipped (``skip_nonfinite``, or the GradScaler
+    of ``mixed_precision='fp16'``): skorch's scheduler asks
+    ``net.accelerator.optimizer_step_was_skipped``, which the net answers
+    (see :class:`skorch_gradacc.precision.SkippedStepReport`). So this class
+    adds nothing to it any more. It takes the same parameters.
 
     """
 
-    def on_batch_end(self, net, training, **kwargs):
-        """Step per batch, unless the net skipped this batch's step."""
-        self.skip_step_ = training and getattr(net, 'step_skipped_', False)
-        try:
-            super().on_batch_end(net, training, **kwargs)
-        finally:
-            self.skip_step_ = False
-
-    def _step(self, net, lr_scheduler, score=None):
-        if getattr(self, 'skip_step_', False):
-            return
-        super()._step(net, lr_scheduler, score=score)
+    def __init__(self, *args, **kwargs):
+        _warn_deprecated('GradAccLRScheduler', 'skorch.callbacks.LRScheduler')
+        super().__init__(*args, **kwargs)
 
 
 class AccumulationScheduler(Callback):
@@ -88,9 +57,6 @@ class AccumulationScheduler(Callback):
     history as ``acc_steps``. Per-batch learning-rate schedulers keep
     counting optimizer steps. The net's ``acc_steps`` parameter is left as
     it is: the scheduled value lives in ``acc_steps_`` during training.
-
-    Put it before a progress bar in ``callbacks``, so that the bar knows the
-    epoch's number of steps.
 
     Parameters
     ----------

@@ -26,9 +26,9 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.preprocessing import StandardScaler
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback
+from skorch.callbacks import Callback, ProgressBar
 
-from skorch_gradacc import GradAccNeuralNetClassifier, GradAccProgressBar
+from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.activation_memory import track_activation_memory
 
 __all__ = ['main']
@@ -262,7 +262,7 @@ def run(args, X, y):
         # bar is as long as the large batch's; the naive run's is not a
         # GradAcc net, so its bar counts micro-batches
         net.set_params(callbacks=[('trace', ParamTrace()),
-                                  ('progress', GradAccProgressBar())])
+                                  ('progress', ProgressBar())])
         results.append(train(label, net, X, y, repeats=args.repeats))
     return results
 

@@ -83,7 +83,8 @@ class StepSync:
         self.device = param.device if param is not None else torch.device(
             'cpu')
 
-    def groups(self, micro_batches, acc_steps, keep=False):
+    def groups(self, micro_batches, acc_steps, keep=False,
+               keep_targets=False):
         """Return this rank's groups of micro-batches, one per step.
 
         Every rank yields the same number of groups per epoch. With
@@ -97,8 +98,10 @@ class StepSync:
                 micro_batches, acc_steps,
                 rank=dist.get_rank(self.process_group),
                 world_size=dist.get_world_size(self.process_group),
-                keep=keep, device=self.device, group=self.process_group)
-        groups = MicroBatchGroups(micro_batches, acc_steps, keep=keep)
+                keep=keep, keep_targets=keep_targets, device=self.device,
+                group=self.process_group)
+        groups = MicroBatchGroups(micro_batches, acc_steps, keep=keep,
+                                  keep_targets=keep_targets)
         try:
             len(groups)
         except TypeError:

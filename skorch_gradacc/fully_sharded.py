@@ -186,7 +186,8 @@ class FullyShardedSync(StepSync):
     def __init__(self, module, process_group=None):
         super().__init__(module, process_group=process_group, shard=True)
 
-    def groups(self, micro_batches, acc_steps, keep=False):
+    def groups(self, micro_batches, acc_steps, keep=False,
+               keep_targets=False):
         """Return this rank's groups, each with its number of ``passes``."""
         try:
             len(micro_batches)
@@ -195,7 +196,8 @@ class FullyShardedSync(StepSync):
                 "FullyShardedGradAccMixin needs a training iterator with a "
                 "length, so that every rank knows how many forward passes each "
                 "step takes; got {!r}.".format(micro_batches)) from None
-        return _Steps(super().groups(micro_batches, acc_steps, keep=keep),
+        return _Steps(super().groups(micro_batches, acc_steps, keep=keep,
+                                     keep_targets=keep_targets),
                       micro_batches, acc_steps,
                       dist.get_world_size(self.process_group))
 

@@ -11,9 +11,10 @@ stepped like any other, before validation.
 
 A group keeps nothing after a micro-batch's backward unless asked to: only
 then does it hold its micro-batches (``keep=True``), e.g. for a callback that
-reads the training batch, a closure optimizer that re-evaluates the group,
-or ``micro_batch_size='auto'``, which replays the group after an
-out-of-memory error.
+reads the training batch's inputs, an optimizer that evaluates the group
+again, or ``micro_batch_size='auto'``, which replays the group after an
+out-of-memory error; or only their targets (``keep_targets=True``), for a
+scorer that caches them, as skorch's ``EpochScoring`` does.
 """
 
 import math
@@ -40,6 +41,10 @@ class MicroBatchGroups:
       Whether each group keeps its micro-batches until the next group
       starts; see :class:`MicroBatchGroup`.
 
+    keep_targets : bool (default=False)
+      Whether each group keeps the targets of its micro-batches; see
+      :class:`MicroBatchGroup`.
+
     Examples
     --------
     >>> import torch
@@ -53,10 +58,12 @@ class MicroBatchGroups:
 
     """
 
-    def __init__(self, micro_batches, acc_steps, keep=False):
+    def __init__(self, micro_batches, acc_steps, keep=False,
+                 keep_targets=False):
         self.micro_batches = micro_batches
         self.acc_steps = acc_steps
         self.keep = keep
+        self.keep_targets = keep_targets
 
     def __len__(self):
         """Return the number of groups, if the iterator has a length."""
@@ -79,7 +86,8 @@ class MicroBatchGroups:
             if remaining is not None:
                 size = min(size, remaining)
                 remaining -= size
-            group = MicroBatchGroup(first, source, size, keep=self.keep)
+            group = MicroBatchGroup(first, source, size, keep=self.keep,
+                                    keep_targets=self.keep_targets)
             del first  # the group holds it until it has been trained on
             yield group
             group.skip_rest()
@@ -98,8 +106,9 @@ class MicroBatchGroup:
     (once it has been trained on, or at once if it keeps its micro-batches),
     and, if it keeps its micro-batches,
     ``X, y = group`` and ``group[0]`` give the rows of the whole group,
-    joined. A group that does not keep them raises an error that says how
-    to ask for them.
+    joined. A group that keeps only the targets gives them as ``y`` once it
+    has been trained on, and an ``X`` that raises an error when used. A
+    group that keeps neither raises an error that says how to ask for them.
 
     Parameters
     ----------
@@ -118,6 +127,11 @@ class MicroBatchGroup:
       :meth:`micro_batches` can yield them again and the whole group can be
       read.
 
+    keep_targets : bool (default=False)
+      Whether to keep the targets ``y`` of micro-batches ``(X, y)`` (of other
+      micro-batches: all of them), so that ``X, y = group`` gives the
+      group's targets after it has been trained on.
+
     Attributes
     ----------
     n_micro_batches : int
@@ -131,12 +145,14 @@ class MicroBatchGroup:
 
     """
 
-    def __init__(self, first, source, size, keep=False):
+    def __init__(self, first, source, size, keep=False, keep_targets=False):
         self._first = first
         self._source = source
         self.size = size
         self.keep = keep
+        self.keep_targets = keep_targets
         self._kept = []
+        self._targets = []
         self.n_micro_batches = 0
         self.n_rows = 0
         self.rows_in_flight = 0
@@ -156,6 +172,10 @@ class MicroBatchGroup:
         self.n_rows += batch_len(micro)
         if self.keep:
             self._kept.append(micro)
+        elif self.keep_targets:
+            self._targets.append(
+                micro[1] if isinstance(micro, (tuple, list)) and len(micro) == 2
+                else micro)
         return micro
 
     def micro_batches(self):
@@ -171,7 +191,12 @@ class MicroBatchGroup:
             if not self.keep:
                 raise RuntimeError(
                     "The micro-batches of this group were released after "
-                    "their backward pass and cannot be iterated again.")
+                    "their backward pass and cannot be iterated again. "
+                    "GradAccMixin keeps them for an optimizer that evaluates "
+                    "the group again only when it knows one: LBFGS, several "
+                    "optimizers, or an optimizer whose step is not "
+                    "torch.optim's own; to keep them in other cases, set "
+                    "micro_batch_size='auto' on the net.")
             yield from self._kept
             return
         yield from self._kept
@@ -199,18 +224,16 @@ class MicroBatchGroup:
                 pass
 
     def _whole(self):
-        if not self.keep:
-            raise RuntimeError(
-                "GradAccMixin streams the micro-batches of a group and "
-                "releases them after their backward pass, so the training "
-                "batch cannot be read in on_batch_begin or on_batch_end. A "
-                "callback that reads it should set the class attribute "
-                "needs_train_batch = True; the net then keeps the group's "
-                "micro-batches until its step is done.")
-        self.skip_rest()  # pull what is left into the kept list
-        if len(self._kept) == 1:
-            return self._kept[0]
-        return concat_outputs(self._kept)
+        if self.keep:
+            self.skip_rest()  # pull what is left into the kept list
+            if len(self._kept) == 1:
+                return self._kept[0]
+            return concat_outputs(self._kept)
+        if self.keep_targets and self._exhausted:
+            targets = (self._targets[0] if len(self._targets) == 1
+                       else concat_outputs(self._targets))
+            return (_ReleasedInputs(), targets)
+        raise RuntimeError(_RELEASED_MESSAGE)
 
     def __len__(self):
         if self.keep:
@@ -229,3 +252,29 @@ class MicroBatchGroup:
     def __repr__(self):
         return '<{} of {} micro-batch(es), {} rows so far>'.format(
             type(self).__name__, self.n_micro_batches, self.n_rows)
+
+
+_RELEASED_MESSAGE = (
+    "GradAccMixin streams the micro-batches of a group and releases them "
+    "after their backward pass, so this training batch cannot be read here. "
+    "A callback that reads it declares so in its class attribute "
+    "train_batch_reads, e.g. train_batch_reads = ('X', 'y', 'y_pred'), or "
+    "leaves it out; the net then keeps the group's micro-batches until its "
+    "step is done.")
+
+
+class _ReleasedInputs:
+    """The ``X`` of a group that keeps only its targets: raises when used."""
+
+    def _fail(self, *args, **kwargs):
+        raise RuntimeError(_RELEASED_MESSAGE)
+
+    __len__ = __iter__ = __getitem__ = __array__ = _fail
+
+    def __getattr__(self, name):
+        if name.startswith('__'):  # protocol lookups, e.g. by numpy
+            raise AttributeError(name)
+        self._fail()
+
+    def __repr__(self):
+        return '<inputs released after the backward pass>'

@@ -157,6 +157,11 @@ class ItemCounts:
         self.total = self.total + count
         self._count = count
 
+    @property
+    def count(self):
+        """The count of the micro-batch last added (None: a summed loss)."""
+        return None if self.summed else self._count
+
     def add_loss(self, loss):
         """Add the loss of the micro-batch last counted, weighted by its count."""
         count = self._count

@@ -23,20 +23,22 @@ Where things happen, in one place each:
 
 import contextlib
 import inspect
+import math
 import numbers
 import sys
 
+import numpy as np
 import torch
-from skorch.callbacks import BatchScoring, EpochScoring, LRScheduler, ProgressBar
+from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
 
+from skorch_gradacc.batch_reads import callback_reads
 from skorch_gradacc.batching import (
     batch_len,
     concat_outputs,
     detach_outputs,
     split_batch,
 )
-from skorch_gradacc.callbacks import GradAccLRScheduler, GradAccProgressBar
 from skorch_gradacc.distributed import gradient_sync
 from skorch_gradacc.grouping import MicroBatchGroup, MicroBatchGroups
 from skorch_gradacc.item_counts import ItemCounts, scale_gradients
@@ -270,23 +272,49 @@ class GradAccMixin(StepDecisionMixin):
     # Initialization
 
     def initialize_callbacks(self):
-        """Initialize the callbacks; some of skorch's are made step-aware.
+        """Initialize the callbacks, and check what they read of a batch.
 
-        A plain :class:`skorch.callbacks.ProgressBar` in ``callbacks_`` is
-        replaced by a :class:`~skorch_gradacc.GradAccProgressBar`, whose bar
-        counts optimizer steps, and a plain
-        :class:`skorch.callbacks.LRScheduler` by a
-        :class:`~skorch_gradacc.GradAccLRScheduler`, which does not advance
-        on skipped steps; both with the same parameters.
+        The callbacks are skorch's, initialized in place: the objects in
+        ``callbacks`` are the ones in ``callbacks_``. A class attribute
+        ``train_batch_reads`` that is not a collection of ``'X'``, ``'y'``
+        and ``'y_pred'`` raises a ValueError here, before any training (see
+        :meth:`get_train_outputs_needed`).
 
         """
         super().initialize_callbacks()
-        self.callbacks_ = [
-            (name, _STEP_AWARE[type(cb)](**cb.get_params()).initialize()
-             if type(cb) in _STEP_AWARE else cb)
-            for name, cb in self.callbacks_
-        ]
+        for _, cb in self.callbacks_:
+            callback_reads(self, cb)
         return self
+
+    def notify(self, method_name, **cb_kwargs):
+        """Call the callbacks, as skorch does.
+
+        After ``on_epoch_begin``, a :class:`skorch.callbacks.ProgressBar` with
+        ``batches_per_epoch='auto'`` is told the epoch's number of optimizer
+        steps, which is its number of training batches: skorch's bar counts
+        ``batch_size`` rows per training batch, a GradAcc net's training
+        batch is a group of ``acc_steps`` micro-batches.
+
+        """
+        super().notify(method_name, **cb_kwargs)
+        if method_name == 'on_epoch_begin':
+            self._count_steps_in_progress_bars(cb_kwargs.get('dataset_train'))
+
+    def _count_steps_in_progress_bars(self, dataset_train):
+        acc_steps = self.get_acc_steps()
+        if dataset_train is None or acc_steps == 1:
+            return
+        for _, cb in self.callbacks_:
+            if not (isinstance(cb, ProgressBar)
+                    and cb.batches_per_epoch == 'auto'):
+                continue
+            pbar = getattr(cb, 'pbar_', None)
+            if pbar is None or pbar.total is None:
+                continue
+            # the bar counted micro-batches of batch_size rows
+            micro = cb._get_batches_per_epoch_phase(self, dataset_train, True)
+            if micro > 0:
+                pbar.total += math.ceil(micro / acc_steps) - micro
 
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
@@ -326,54 +354,96 @@ class GradAccMixin(StepDecisionMixin):
     # The epoch: one batch per group
 
     def get_train_outputs_needed(self):
-        """Return what the callbacks read of a training step.
+        """Return what is kept of a training group for the callbacks.
 
-        A training step's micro-batches and outputs are freed as soon as
-        their backward is done, unless something needs them:
+        skorch passes each training batch to the callbacks as ``batch``
+        (``on_batch_begin``, ``on_grad_computed``, ``on_batch_end``) and its
+        outputs as ``y_pred`` (``on_batch_end``). A GradAcc net's batch is a
+        group of micro-batches, each freed after its backward pass unless a
+        callback reads it. Then the callbacks get what the large-batch net
+        passes them: the whole group's rows and outputs.
 
-        * the whole group's rows (``batch`` in ``on_batch_begin`` and
-          ``on_batch_end``): a :class:`skorch.callbacks.BatchScoring` with
-          ``on_train=True``, a callback with the class attribute
-          ``needs_train_batch = True``, a closure optimizer such as LBFGS
-          or several optimizers, each of which evaluates the group, and
-          ``micro_batch_size='auto'``, which replays a group after an
-          out-of-memory error;
-        * the group's outputs (``y_pred`` in ``on_batch_end``): a
-          :class:`skorch.callbacks.EpochScoring` or ``BatchScoring`` with
-          ``on_train=True`` and ``use_caching=True``, or a callback with the
-          class attribute ``needs_train_y_pred = True``. Otherwise
-          ``on_batch_end`` gets ``y_pred=None``.
+        * skorch's own callbacks are known: an
+          :class:`~skorch.callbacks.EpochScoring` with ``on_train=True`` that
+          caches (its ``use_caching``, or the net's if not ``'auto'``) reads
+          the targets and the outputs, a
+          :class:`~skorch.callbacks.BatchScoring` with ``on_train=True`` the
+          inputs and targets, and the outputs if it caches. The others read
+          none of them.
+        * A callback of your own that overrides ``on_batch_begin``,
+          ``on_grad_computed`` or ``on_batch_end`` is taken to read all of
+          them, unless its class declares what it reads in the attribute
+          ``train_batch_reads``: a collection of ``'X'`` (inputs), ``'y'``
+          (targets) and ``'y_pred'`` (outputs), or ``()`` for none of them.
+          For example, a callback that logs the running loss from the
+          history declares ``train_batch_reads = ()``.
 
-        Keeping them costs the memory of the group's micro-batches, as the
-        training iterator yields them, or of its outputs, detached; never
-        that of activations.
+        The memory this costs, until the group's step is done: the group's
+        micro-batches as the iterator yielded them (``'X'``, or ``'y'`` read
+        in ``on_batch_begin``), the group's targets (``'y'``), or its
+        outputs, detached (``'y_pred'``); never activations. The inputs are
+        also kept for an optimizer that evaluates the group more than once
+        (LBFGS, several optimizers, an optimizer whose ``step`` is not
+        ``torch.optim``'s own, such as a sharpness-aware one) and with
+        ``micro_batch_size='auto'``, which replays a group after an
+        out-of-memory error. With nothing read, ``y_pred`` is None, and the
+        net holds one micro-batch at a time.
 
         Returns
         -------
         needed : dict
-          ``{'batch': bool, 'y_pred': bool}``.
+          ``{'batch': bool, 'y': bool, 'y_pred': bool}``: whether the group
+          keeps its micro-batches, its targets, and its outputs.
+
+        Examples
+        --------
+        >>> from skorch.callbacks import Callback, EpochScoring
+        >>> from skorch.toy import make_classifier
+        >>> from skorch_gradacc import GradAccNeuralNetClassifier
+        >>> class PrintLoss(Callback):
+        ...     train_batch_reads = ()  # reads only the history
+        ...     def on_batch_end(self, net, **kwargs):
+        ...         pass
+        >>> net = GradAccNeuralNetClassifier(
+        ...     make_classifier(), acc_steps=4, callbacks=[
+        ...         PrintLoss(), EpochScoring('accuracy', on_train=True)])
+        >>> net.initialize().get_train_outputs_needed()
+        {'batch': False, 'y': True, 'y_pred': True}
 
         """
-        batch = y_pred = False
+        reads, at_begin = set(), False
         for _, cb in getattr(self, 'callbacks_', []):
-            scores_train = (isinstance(cb, (BatchScoring, EpochScoring))
-                            and cb.on_train)
-            batch |= (scores_train and isinstance(cb, BatchScoring)
-                      or getattr(cb, 'needs_train_batch', False))
-            y_pred |= (scores_train and cb.use_caching
-                       or getattr(cb, 'needs_train_y_pred', False))
-        batch |= self.micro_batch_size == 'auto' or self._reevaluates_group()
-        return {'batch': batch, 'y_pred': y_pred}
+            cb_reads, cb_at_begin = callback_reads(self, cb)
+            reads |= cb_reads
+            at_begin |= cb_at_begin
+        batch = ('X' in reads or at_begin or self.micro_batch_size == 'auto'
+                 or self._reevaluates_group())
+        return {'batch': batch, 'y': 'y' in reads, 'y_pred': 'y_pred' in reads}
 
     def _reevaluates_group(self):
-        """Whether a step evaluates the group more than once.
+        """Whether a step may evaluate the group more than once.
 
         skorch passes the closure to each optimizer's ``step``, so with
-        several optimizers, or LBFGS, the group is evaluated again.
+        several optimizers, or LBFGS, the group is evaluated again. So may
+        an optimizer whose ``step`` is not one of ``torch.optim``'s, e.g. a
+        sharpness-aware one, which evaluates the closure twice.
         """
-        return (len(self._optimizers) > 1 or any(
-            isinstance(getattr(self, name + '_', None), torch.optim.LBFGS)
-            for name in self._optimizers))
+        if len(self._optimizers) > 1:
+            return True
+        for name in self._optimizers:
+            optimizer = getattr(self, name + '_', None)
+            # a wrapper such as Accelerate's AcceleratedOptimizer
+            while isinstance(getattr(optimizer, 'optimizer', None),
+                             torch.optim.Optimizer):
+                optimizer = optimizer.optimizer
+            if optimizer is None:
+                continue
+            if isinstance(optimizer, torch.optim.LBFGS):
+                return True
+            step = getattr(type(optimizer), 'step', None)
+            if not getattr(step, '__module__', '').startswith('torch.optim'):
+                return True
+        return False
 
     def _trains_in_groups(self):
         """Whether training needs the group loop; else it is plain skorch's."""
@@ -393,13 +463,13 @@ class GradAccMixin(StepDecisionMixin):
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
             self.keep_train_y_pred_ = needed['y_pred']
+            keep = dict(keep=needed['batch'], keep_targets=needed['y'])
             sync = gradient_sync(self)
             if sync is None:
                 iterator = MicroBatchGroups(iterator, self.get_acc_steps(),
-                                            keep=needed['batch'])
+                                            **keep)
             else:  # this rank's share of each step
-                iterator = sync.groups(iterator, self.get_acc_steps(),
-                                       keep=needed['batch'])
+                iterator = sync.groups(iterator, self.get_acc_steps(), **keep)
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
 
@@ -423,9 +493,10 @@ class GradAccMixin(StepDecisionMixin):
         Returns
         -------
         step : dict
-          ``{'loss': loss, 'y_pred': y_pred}`` for the whole group, both
-          detached; ``y_pred`` is None unless a callback reads it (see
-          :meth:`get_train_outputs_needed`).
+          ``{'loss': loss, 'y_pred': y_pred}`` for the whole group.
+          ``y_pred`` is detached, and None unless a callback reads it (see
+          :meth:`get_train_outputs_needed`). ``loss`` holds no graph but
+          requires grad, as the loss skorch's ``train_step`` returns.
 
         """
         if not isinstance(batch, MicroBatchGroup):  # plain skorch's training
@@ -453,7 +524,7 @@ class GradAccMixin(StepDecisionMixin):
             # have not stepped, and the partial gradient must not survive.
             self._zero_grad_optimizer()
             raise
-        return step_accumulator.get_step()
+        return _as_skorch_step(step_accumulator.get_step())
 
     # Accumulation and normalization
 
@@ -500,7 +571,10 @@ class GradAccMixin(StepDecisionMixin):
         ...         return (y != -100).sum()
 
         """
-        if getattr(self.criterion_, 'reduction', None) == 'sum':
+        criteria = [getattr(self, name + '_', None) for name in self._criteria]
+        reductions = {getattr(criterion, 'reduction', None)
+                      for criterion in criteria}
+        if reductions == {'sum'}:
             return None
         return batch_len(batch)
 
@@ -540,14 +614,67 @@ class GradAccMixin(StepDecisionMixin):
         """
         buffers = self._snapshot_buffers()
         while True:
+            self.piece_records_ = []
             try:
-                return self._accumulate_gradients(group, **fit_params)
+                step = self._accumulate_gradients(group, **fit_params)
             except _OUT_OF_MEMORY_ERRORS:
                 if self.micro_batch_size != 'auto':
                     raise
+            else:
+                self._merge_piece_records()
+                return step
             # outside the except block, so that the failed attempt's
             # tensors, held by the traceback, are freed
             self._back_off_micro_batch_size(group, buffers)
+
+    def _train_piece(self, piece, count, **fit_params):
+        """Run ``train_step_single`` on one piece; note what it recorded.
+
+        Values that ``train_step_single``, ``get_loss`` or ``infer`` record in
+        the batch's history row are noted with the piece's item count, and
+        combined by :meth:`_merge_piece_records` once the group is done.
+        """
+        row = self._current_batch_row()
+        before = dict(row) if row is not None else None
+        step = self._run_scaled(self.train_step_single, piece, **fit_params)
+        if row is not None and getattr(self, 'piece_records_', None) is not None:
+            self.piece_records_.append((count, {
+                key: value for key, value in row.items()
+                if key not in before or before[key] is not value}))
+        return step
+
+    def _current_batch_row(self):
+        try:
+            return self.history[-1]['batches'][-1]
+        except (IndexError, KeyError):  # a step outside skorch's epoch loop
+            return None
+
+    def _merge_piece_records(self):
+        """Give the batch row the values the large batch would have recorded.
+
+        A float that several pieces recorded under the same key (say, one
+        term of a loss, recorded in ``get_loss``) is combined as the loss
+        is: the mean weighted by :meth:`count_loss_items`, or the sum when
+        the loss is a sum. Other values keep the last piece's.
+        """
+        records, self.piece_records_ = self.piece_records_, []
+        row = self._current_batch_row()
+        if row is None or len(records) < 2:
+            return
+        for key in {key for _, values in records for key in values}:
+            pairs = [(count, values[key]) for count, values in records
+                     if key in values]
+            if len(pairs) < 2 or not all(_is_float(value) for _, value in pairs):
+                continue
+            if all(count is None for count, _ in pairs):  # summed losses
+                merged = sum(value for _, value in pairs)
+            else:
+                counted = [(count, value) for count, value in pairs if count]
+                if not counted:
+                    continue
+                merged = (sum(count * value for count, value in counted)
+                          / sum(count for count, _ in counted))
+            row[key] = merged
 
     def _pieces(self, group):
         """Yield ``(piece, is_last)`` for the micro-batches of ``group``.
@@ -586,8 +713,7 @@ class GradAccMixin(StepDecisionMixin):
                     0.0 if counts.unit is None else counts.unit))
             with (contextlib.nullcontext() if sync is None
                   else sync.context(syncs)):
-                step = self._run_scaled(self.train_step_single, piece,
-                                        **fit_params)
+                step = self._train_piece(piece, counts.count, **fit_params)
             counts.add_loss(step['loss'].detach())
             if keep_y_pred:
                 y_preds.append(detach_outputs(step['y_pred']))
@@ -710,8 +836,6 @@ class GradAccMixin(StepDecisionMixin):
             for piece in pieces])
 
 
-_STEP_AWARE = {ProgressBar: GradAccProgressBar, LRScheduler: GradAccLRScheduler}
-
 _OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
     (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
 
@@ -728,6 +852,30 @@ def grad_acc_params_doc():
     section = doc[start:end].rstrip()
     return '\n' + '\n'.join(
         '    ' + line if line else line for line in section.splitlines()) + '\n'
+
+
+def _as_skorch_step(step):
+    """Return the step with a loss that requires grad, as skorch's does.
+
+    skorch's ``train_step`` returns the loss of the graph it trained on, so
+    callbacks see ``loss.requires_grad`` in training. The group's loss is
+    a sum of detached losses (their graphs are freed after each backward),
+    so it is made a leaf that requires grad: no graph is kept.
+    """
+    loss = step.get('loss') if isinstance(step, dict) else None
+    if (isinstance(loss, torch.Tensor) and loss.is_floating_point()
+            and not loss.requires_grad):
+        step = dict(step, loss=loss.detach().requires_grad_())
+    return step
+
+
+def _is_float(value):
+    """Whether ``value`` is a float scalar: Python, numpy, or a 0-d tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and value.dtype.is_floating_point
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and np.issubdtype(value.dtype, np.floating)
+    return isinstance(value, (float, np.floating))
 
 
 def _is_positive_int(value):

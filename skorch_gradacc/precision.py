@@ -10,7 +10,10 @@ and holds, in one place:
   unscaled once per group, and the scaler steps and updates once per group;
 * the check for inf/NaN gradients of ``skip_nonfinite``;
 * the step itself, entered through skorch's ``_step_optimizer`` as
-  ``AccelerateMixin`` does: taken, or skipped with ``step_skipped_`` set.
+  ``AccelerateMixin`` does: taken, or skipped with ``step_skipped_`` set;
+* telling skorch's :class:`~skorch.callbacks.LRScheduler` about a skipped
+  step, through the hook it reads for Accelerate's skipped steps,
+  ``net.accelerator.optimizer_step_was_skipped``.
 """
 
 import contextlib
@@ -20,6 +23,36 @@ import torch
 __all__ = ['AUTOCAST_DTYPES', 'StepDecisionMixin']
 
 AUTOCAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+class SkippedStepReport:
+    """What skorch's LRScheduler reads of ``net.accelerator``.
+
+    :meth:`skorch.callbacks.LRScheduler._step` does not step when
+    ``net.accelerator.optimizer_step_was_skipped`` is true: that is how it
+    counts the updates that Accelerate applied. A GradAcc net without an
+    accelerator of its own answers through this object: true in the
+    ``on_batch_end`` of a training batch whose step was skipped, false
+    elsewhere, so epoch-level schedulers always step. A net with
+    ``AccelerateMixin`` has a real accelerator, which takes precedence.
+    """
+
+    def __init__(self, net):
+        self.net = net
+
+    @property
+    def optimizer_step_was_skipped(self):
+        """Whether the training batch that is ending skipped its step."""
+        return getattr(self.net, 'batch_step_skipped_', False)
+
+
+class _AcceleratorHook:
+    """A non-data descriptor: an instance's own ``accelerator`` wins."""
+
+    def __get__(self, net, owner=None):
+        if net is None:
+            return self
+        return SkippedStepReport(net)
 
 
 class StepDecisionMixin:
@@ -38,6 +71,25 @@ class StepDecisionMixin:
       Whether the last training step was skipped.
 
     """
+
+    accelerator = _AcceleratorHook()
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        """Nothing is skipped before a batch's step."""
+        super().on_batch_begin(net, batch=batch, training=training, **kwargs)
+        self.batch_step_skipped_ = False
+
+    def on_batch_end(self, net, batch=None, training=False, **kwargs):
+        """Report a skipped training step to the callbacks that follow."""
+        super().on_batch_end(net, batch=batch, training=training, **kwargs)
+        # the net's own hook runs before the callbacks' in skorch's notify
+        self.batch_step_skipped_ = bool(
+            training and getattr(self, 'step_skipped_', False))
+
+    def on_epoch_end(self, net, **kwargs):
+        """Epoch-level schedulers step whatever the last batch did."""
+        super().on_epoch_end(net, **kwargs)
+        self.batch_step_skipped_ = False
 
     def _decides_step(self):
         """Whether the net, not the optimizer alone, decides about each step."""
@@ -119,8 +171,9 @@ class StepDecisionMixin:
 
         A skipped step leaves parameters and optimizer state unchanged, zeroes
         the gradient, sets ``step_skipped_`` (which per-batch
-        :class:`~skorch_gradacc.callbacks.GradAccLRScheduler` callbacks
-        read) and records ``step_skipped=True`` in the batch's history row.
+        :class:`skorch.callbacks.LRScheduler` callbacks learn through
+        :class:`SkippedStepReport`) and records ``step_skipped=True`` in the
+        batch's history row.
 
         """
         if not self._decides_step():

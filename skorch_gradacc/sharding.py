@@ -236,8 +236,9 @@ class ShardedGroup(MicroBatchGroup):
 
     """
 
-    def __init__(self, first, source, size, keep=False):
-        super().__init__(first, source, size, keep=keep)
+    def __init__(self, first, source, size, keep=False, keep_targets=False):
+        super().__init__(first, source, size, keep=keep,
+                         keep_targets=keep_targets)
         self.global_rows = None
 
     def is_last(self, index):
@@ -265,8 +266,8 @@ class ShardedMicroBatchGroups:
     rank, world_size : int
       This process's rank and the number of ranks.
 
-    keep : bool (default=False)
-      Whether each group keeps its micro-batches; see
+    keep, keep_targets : bool (default=False)
+      Whether each group keeps its micro-batches, or their targets; see
       :class:`~skorch_gradacc.grouping.MicroBatchGroup`.
 
     device : torch.device or None
@@ -297,12 +298,14 @@ class ShardedMicroBatchGroups:
     """
 
     def __init__(self, micro_batches, acc_steps, rank, world_size,
-                 keep=False, device=None, group=None, sync_rng=True):
+                 keep=False, keep_targets=False, device=None, group=None,
+                 sync_rng=True):
         self.micro_batches = micro_batches
         self.acc_steps = acc_steps
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
+        self.keep_targets = keep_targets
         self.device = device
         self.group = group
         self.sync_rng = sync_rng
@@ -372,7 +375,8 @@ class ShardedMicroBatchGroups:
             first = next(source, _END)
             if first is _END:  # nothing of this rank's in this step
                 first = template[0]
-            group = ShardedGroup(first, source, self.acc_steps, keep=self.keep)
+            group = ShardedGroup(first, source, self.acc_steps, keep=self.keep,
+                                 keep_targets=self.keep_targets)
             del first
             yield group
             group.skip_rest()

@@ -20,12 +20,14 @@ def history_without_durations(net):
     ]
 
 
-@pytest.mark.parametrize('optimizer', [torch.optim.SGD, torch.optim.Adam])
+@pytest.mark.parametrize('optimizer', [
+    {'optimizer': torch.optim.SGD, 'optimizer__momentum': 0.9},
+    {'optimizer': torch.optim.Adam}])
 @pytest.mark.parametrize('train_split', ['default', None])
 def test_bit_for_bit(clf_data, optimizer, train_split):
     X, y = clf_data
     kwargs = dict(
-        batch_size=16, max_epochs=3, lr=0.05, optimizer=optimizer, verbose=0,
+        batch_size=16, max_epochs=3, lr=0.05, verbose=0, **optimizer,
         iterator_train__shuffle=True,
         callbacks=[GradientNormClipping(0.5),
                    LRScheduler(torch.optim.lr_scheduler.StepLR, step_size=1,
@@ -36,13 +38,19 @@ def test_bit_for_bit(clf_data, optimizer, train_split):
         GradAccNeuralNetClassifier(MLPClassifier, acc_steps=1, **kwargs), X, y)
     plain_net = fit_seeded(NeuralNetClassifier(MLPClassifier, **kwargs), X, y)
 
-    for (name, value), expected in zip(
-            acc_net.module_.named_parameters(), plain_net.module_.parameters()):
-        assert torch.equal(value, expected), name
-    for state, expected in zip(acc_net.optimizer_.state.values(),
-                               plain_net.optimizer_.state.values()):
+    params = dict(acc_net.module_.named_parameters())
+    expected_params = dict(plain_net.module_.named_parameters())
+    assert params.keys() == expected_params.keys() and params
+    for name, value in params.items():
+        assert torch.equal(value, expected_params[name]), name
+    states = list(acc_net.optimizer_.state.values())
+    expected_states = list(plain_net.optimizer_.state.values())
+    # momentum buffers, or Adam's moments: one state per parameter
+    assert len(states) == len(expected_states) == len(params)
+    for state, expected in zip(states, expected_states):
+        assert state.keys() == expected.keys() and state
         for key in state:
-            assert torch.equal(state[key], expected[key])
+            assert torch.equal(state[key], expected[key]), key
     assert history_without_durations(acc_net) == history_without_durations(
         plain_net)
     np.testing.assert_array_equal(acc_net.predict_proba(X),

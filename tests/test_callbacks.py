@@ -1,25 +1,37 @@
 """Invariant 3: callbacks see one batch per optimizer step, with the whole,
 normalized gradient, and so behave as on the large-batch net."""
 
+from unittest.mock import Mock
+
 import numpy as np
 import pytest
 import torch
+from skorch import NeuralNetClassifier
 from skorch.callbacks import (
     BatchScoring,
     Callback,
     EpochScoring,
     GradientNormClipping,
     LRScheduler,
+    ProgressBar,
 )
 
-from conftest import PARAM_ATOL, assert_same_history, fit_pair, max_param_diff
+from skorch_gradacc import GradAccNeuralNetClassifier
+
+from conftest import (
+    PARAM_ATOL,
+    assert_same_history,
+    fit_pair,
+    fit_seeded,
+    make_nets,
+    max_param_diff,
+)
 
 
 class RecordSteps(Callback):
-    """Record each training batch's size, gradient, and what it was given."""
+    """Record each training batch's size, gradient, and what it was given.
 
-    needs_train_batch = True
-    needs_train_y_pred = True
+    It declares nothing, so it gets what the large-batch net passes."""
 
     def initialize(self):
         self.batch_begin_sizes_ = []
@@ -74,13 +86,15 @@ class TestCallbackCalls:
             torch.testing.assert_close(y_acc, y_plain.detach(), rtol=1e-10,
                                        atol=1e-12)
 
-    def test_batch_end_gets_detached_tensors(self, recorded_pair):
-        acc, _ = recorded_pair
+    def test_batch_end_gets_tensors_without_graphs(self, recorded_pair):
+        acc, plain = recorded_pair
         full_groups = [step for step in acc.batch_end_ if step[0] == 32]
         assert full_groups
         for _, loss, y_pred in full_groups:
-            assert not loss.requires_grad
-            assert not y_pred.requires_grad
+            # the loss requires grad, as plain skorch's, with no graph kept
+            assert loss.requires_grad and loss.grad_fn is None
+            assert y_pred.grad_fn is None
+        assert all(loss.requires_grad for _, loss, _ in plain.batch_end_)
 
 
 SCHEDULERS = {
@@ -137,3 +151,142 @@ class TestCallbacksBehaveAsOnLargeBatchNet:
             plain_net.history[:, 'train_batch_acc'], rtol=1e-10)
         assert acc_net.history[:, 'train_acc'] == plain_net.history[
             :, 'train_acc']
+
+    @pytest.mark.parametrize('net_caching', ['auto', True, False])
+    @pytest.mark.parametrize('cb_caching', [True, False])
+    def test_epoch_scoring_on_train_alone(self, clf_data, net_caching,
+                                          cb_caching):
+        # skorch's standard way to log training accuracy, with no other
+        # callback that keeps the batch; the net's use_caching wins
+        X, y = clf_data
+        scoring = EpochScoring('accuracy', on_train=True, name='train_acc',
+                               use_caching=cb_caching)
+        acc_net, plain_net = fit_pair(4, X, y, use_caching=net_caching,
+                                      callbacks=[('train_acc', scoring)])
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+        assert acc_net.history[:, 'train_acc'] == plain_net.history[
+            :, 'train_acc']
+
+
+class TestUserObjectsAreKept:
+    def test_callbacks_are_the_users_objects(self, clf_data):
+        X, y = clf_data
+        scheduler = LRScheduler('StepLR', step_size=1, step_every='batch')
+        bar = ProgressBar()
+        acc_net, _ = make_nets(4, max_epochs=1, callbacks=[
+            ('sched', scheduler), ('bar', bar)])
+        fit_seeded(acc_net, X, y)
+        callbacks = dict(acc_net.callbacks_)
+        assert callbacks['sched'] is scheduler and callbacks['bar'] is bar
+        assert scheduler.lr_scheduler_ is not None
+        assert scheduler.batch_idx_ == 6  # one per optimizer step
+        # set_params reaches the object the net uses
+        acc_net.set_params(callbacks__sched__step_size=456)
+        assert dict(acc_net.callbacks_)['sched'].step_size == 456
+
+    def test_mock_callback(self, clf_data):
+        X, y = clf_data
+        mock = Mock()
+        acc_net, _ = make_nets(4, max_epochs=1, callbacks=[('mock', mock)])
+        fit_seeded(acc_net, X, y)
+        # 6 steps; 41 validation rows in batches of 8
+        assert mock.on_batch_end.call_count == 6 + 6
+
+
+class TestBatchReads:
+    class Declared(Callback):
+        train_batch_reads = ('y_pred',)
+
+        def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+            if training:
+                self.rows_ = getattr(self, 'rows_', 0) + len(y_pred)
+
+    class Undeclared(Callback):
+        def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+            pass
+
+    @pytest.mark.parametrize('callbacks, expected', [
+        ([], {'batch': False, 'y': False, 'y_pred': False}),
+        ([Declared()], {'batch': False, 'y': False, 'y_pred': True}),
+        ([Undeclared()], {'batch': True, 'y': True, 'y_pred': True}),
+        ([Mock()], {'batch': False, 'y': False, 'y_pred': False}),
+        ([ProgressBar(), LRScheduler('StepLR', step_size=1,
+                                     step_every='batch')],
+         {'batch': False, 'y': False, 'y_pred': False}),
+    ])
+    def test_what_is_kept(self, callbacks, expected):
+        acc_net, _ = make_nets(4, callbacks=callbacks)
+        assert acc_net.initialize().get_train_outputs_needed() == expected
+
+    def test_bad_declaration_raises_before_training(self):
+        class Bad(Callback):
+            train_batch_reads = 'y_pred'  # a string, not a collection
+
+        acc_net, _ = make_nets(4, callbacks=[('bad', Bad())])
+        with pytest.raises(ValueError, match="Bad.train_batch_reads must be"):
+            acc_net.initialize()
+
+
+class SAM(torch.optim.SGD):
+    """A sharpness-aware step: the closure is evaluated twice, at the
+    parameters and at a point perturbed along the gradient."""
+
+    def step(self, closure):
+        closure()
+        params = [p for group in self.param_groups for p in group['params']
+                  if p.grad is not None]
+        eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.add_(e)
+        closure()
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.sub_(e)
+        return super().step()
+
+
+def test_optimizer_evaluating_the_closure_twice_equals_large_batch(clf_data):
+    X, y = clf_data
+    acc_net, plain_net = fit_pair(4, X, y, optimizer=SAM, max_epochs=2)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net)
+
+
+class RenamedCriterionNet(GradAccNeuralNetClassifier):
+    """A criterion registered under another name, summing its loss."""
+
+    def initialize_criterion(self):
+        self.my_criterion_ = torch.nn.NLLLoss(reduction='sum')
+        return self
+
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        return self.my_criterion_(torch.log(y_pred), y_true)
+
+
+class RenamedCriterionPlainNet(NeuralNetClassifier):
+    initialize_criterion = RenamedCriterionNet.initialize_criterion
+    get_loss = RenamedCriterionNet.get_loss
+
+
+def test_criterion_under_another_name_is_counted(clf_data):
+    # reduction='sum' under the name my_criterion: summed, not averaged
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4, lr=0.002)
+    acc_net = RenamedCriterionNet(**acc_net.get_params())
+    plain_net = RenamedCriterionPlainNet(**plain_net.get_params())
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    assert acc_net.count_loss_items((torch.zeros(3, 10), None)) is None
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
+
+@pytest.mark.parametrize('name, args', [
+    ('GradAccProgressBar', ()),
+    ('GradAccLRScheduler', ('StepLR',)),
+])
+def test_step_aware_callbacks_are_deprecated(name, args):
+    import skorch_gradacc
+
+    with pytest.warns(FutureWarning, match=name + ' is deprecated'):
+        getattr(skorch_gradacc, name)(*args)

@@ -1,10 +1,14 @@
 """skorch's contracts hold: train_step's return value, users' overrides of
 get_loss and train_step_single, and closure optimizers."""
 
+import numpy as np
+import pytest
 import torch
 from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
 
 from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc.grouping import MicroBatchGroup
 
 from conftest import (
     PARAM_ATOL,
@@ -42,14 +46,59 @@ class CountingGradAccNet(GradAccNeuralNetClassifier):
         return super().train_step_single(batch, **fit_params)
 
 
-def test_train_step_returns_loss_and_y_pred(clf_data):
-    acc_net, _ = make_nets(4)
-    acc_net.initialize()
-    X, y = torch.as_tensor(clf_data[0][:30]), torch.as_tensor(clf_data[1][:30])
-    step = acc_net.train_step((X, y))
-    assert set(step) == {'loss', 'y_pred'}
-    assert step['loss'].ndim == 0
-    assert step['y_pred'].shape == (30, 3)
+class StepRecorder:
+    """Keep what train_step got and returned, for each training batch."""
+
+    def train_step(self, batch, **fit_params):
+        step = super().train_step(batch, **fit_params)
+        self.steps_ = getattr(self, 'steps_', []) + [(type(batch), step)]
+        return step
+
+
+class RecordingGradAccNet(StepRecorder, GradAccNeuralNetClassifier):
+    pass
+
+
+class RecordingNet(StepRecorder, NeuralNetClassifier):
+    pass
+
+
+class ReadsOutputs(Callback):
+    """A callback that reads y_pred, so that train_step returns it."""
+
+    train_batch_reads = ('y_pred',)
+
+    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize('reader', [True, False])
+def test_train_step_returns_loss_and_y_pred(clf_data, reader):
+    # the package's train_step, on a group of 4 micro-batches, returns what
+    # skorch's returns for the union: the mean loss, and the outputs for
+    # every row if a callback reads them (else None)
+    X, y = clf_data
+    callbacks = [('reads', ReadsOutputs())] if reader else []
+    acc_net, plain_net = make_nets(4, max_epochs=1, callbacks=callbacks)
+    acc_net = RecordingGradAccNet(**acc_net.get_params())
+    plain_net = RecordingNet(**plain_net.get_params())
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    assert len(acc_net.steps_) == len(plain_net.steps_) == 6
+    for (batch_type, step), (_, expected) in zip(acc_net.steps_,
+                                                 plain_net.steps_):
+        assert batch_type is MicroBatchGroup
+        assert set(step) == {'loss', 'y_pred'}
+        # as skorch's: requires grad; but no graph is kept
+        assert step['loss'].ndim == 0 and step['loss'].requires_grad
+        assert step['loss'].grad_fn is None
+        torch.testing.assert_close(step['loss'], expected['loss'].detach(),
+                                   rtol=1e-12, atol=0)
+        if reader:
+            assert not step['y_pred'].requires_grad
+            torch.testing.assert_close(step['y_pred'], expected['y_pred'],
+                                       rtol=1e-10, atol=1e-12)
+        else:
+            assert step['y_pred'] is None
 
 
 def test_get_loss_override_is_used(clf_data):
@@ -79,3 +128,44 @@ def test_lbfgs_closure_reevaluates_the_whole_group(clf_data):
     fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
     assert max_param_diff(acc_net, plain_net) < 1e-9
     assert_same_history(acc_net, plain_net, rtol=1e-9)
+
+
+class RecordsLossTerms:
+    """A user's get_loss that records its two terms in the batch's row, as
+    skorch's test_change_get_loss does."""
+
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        penalty = (y_pred[:, 0] ** 2).mean()
+        if training:
+            self.history.record_batch('nll', loss.item())
+            self.history.record_batch('penalty', penalty.detach())
+        return loss + penalty
+
+
+class TermsGradAccNet(RecordsLossTerms, GradAccNeuralNetClassifier):
+    pass
+
+
+class TermsNet(RecordsLossTerms, NeuralNetClassifier):
+    pass
+
+
+@pytest.mark.parametrize('micro_batch_size', [None, 3])
+def test_values_recorded_in_get_loss_are_the_large_batch_values(
+        clf_data, micro_batch_size):
+    # each micro-batch records its own terms; the row gets the group's
+    # count-weighted mean, as the loss, which is what the large batch records
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4)
+    acc_net = TermsGradAccNet(
+        **{**acc_net.get_params(), 'micro_batch_size': micro_batch_size})
+    plain_net = TermsNet(**plain_net.get_params())
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    for key in ['train_loss', 'nll', 'penalty']:
+        got = acc_net.history[:, 'batches', :, key]
+        expected = plain_net.history[:, 'batches', :, key]
+        np.testing.assert_allclose(np.asarray(got, dtype=float),
+                                   np.asarray(expected, dtype=float),
+                                   rtol=1e-10, err_msg=key)

@@ -1,9 +1,9 @@
 """Data-parallel training with real processes: 2 ranks, gloo, on the CPU.
 
-torchrun starts tests/distributed/ddp_worker.py twice; the ranks save what
-they ended with, and the test compares it with plain skorch in one process
-with ``batch_size * acc_steps * world_size`` (the unions of ``acc_steps *
-world_size`` consecutive micro-batches), in float64.
+torchrun starts tests/torchrun_scripts/ddp_worker.py twice; the ranks save
+what they ended with, and the test compares it with plain skorch in one
+process with ``batch_size * acc_steps * world_size`` (the unions of
+``acc_steps * world_size`` consecutive micro-batches), in float64.
 """
 
 import os
@@ -30,8 +30,8 @@ from test_streaming import (
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
-WORKER = Path(__file__).parent / 'distributed' / 'ddp_worker.py'
-LATE_RELEASE = Path(__file__).parent / 'distributed' / 'late_release.py'
+WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
+LATE_RELEASE = Path(__file__).parent / 'torchrun_scripts' / 'late_release.py'
 WORLD_SIZE, BATCH_SIZE, ACC_STEPS = 2, 8, 3
 STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
               lr=0.01)
@@ -166,7 +166,7 @@ def test_a_failing_rank_does_not_hang(tmp_path):
     assert proc.returncode != 0
     assert 'rank 1 fails on purpose' in proc.stdout + proc.stderr
     assert not (tmp_path / 'rank0.pt').exists()
-    assert np.isfinite(TIME_LIMIT)
+    # a hang would have raised subprocess.TimeoutExpired in torchrun
 
 
 @pytest.mark.timeout(TIME_LIMIT + 60)

@@ -1,6 +1,6 @@
 """Fully sharded data parallel (FSDP2) with real processes: 2 gloo ranks.
 
-torchrun starts tests/distributed/fsdp_worker.py twice; rank 0 writes the
+torchrun starts tests/torchrun_scripts/fsdp_worker.py twice; rank 0 writes the
 net's full checkpoint with ``save_params``, and the tests compare it with
 plain skorch in one process with ``batch_size * acc_steps * world_size``.
 """
@@ -25,7 +25,7 @@ from skorch_gradacc.fully_sharded import units_of
 
 from conftest import DTYPE, PARAM_ATOL, classification_data
 
-DISTRIBUTED = Path(__file__).parent / 'distributed'
+DISTRIBUTED = Path(__file__).parent / 'torchrun_scripts'
 sys.path.insert(0, str(DISTRIBUTED))
 
 from fsdp_worker import (  # noqa: E402

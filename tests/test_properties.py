@@ -13,7 +13,7 @@ from conftest import PARAM_ATOL, classification_data, fit_pair, max_param_diff
 class RecordSampleIds(Callback):
     """Record which samples each optimizer step used (column 0 holds ids)."""
 
-    needs_train_batch = True
+    train_batch_reads = ('X',)
 
     def initialize(self):
         self.steps_ = []
@@ -27,7 +27,7 @@ class RecordSampleIds(Callback):
             self.steps_[-1].append(batch[0][:, 0].long().tolist())
 
 
-@settings(max_examples=20, deadline=None,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_samples=st.integers(1, 90),

@@ -22,13 +22,22 @@ pytestmark = pytest.mark.skipif(
     reason='measures peak RSS through /proc (Linux)')
 
 
+def median_of_3(name, kind, B, k, rows):
+    """The median of three fresh processes: one sample can be an outlier."""
+    return sorted(measure(name, kind, B, k, rows) for _ in range(3))[1]
+
+
 @pytest.mark.parametrize('name', ['lm_tokens', 'lm_last', 'mlp_4096',
-                                  'images'])
+                                  'images', 'lm_train_acc'])
 def test_gradacc_peak_within_1_25x_of_plain_at_the_micro_batch(name):
     B, k, rows = MODELS[name]
-    plain = measure(name, 'plain', B, 1, rows)
-    gradacc = measure(name, 'gradacc', B, k, rows)
-    large = measure(name, 'plain', B * k, 1, rows)
+    plain = median_of_3(name, 'plain', B, 1, rows)
+    gradacc = median_of_3(name, 'gradacc', B, k, rows)
     # the allocator's granularity: a few MiB either way are noise
     assert gradacc <= 1.25 * plain + 2048, (plain, gradacc)
+    if name == 'lm_train_acc':
+        # the epoch's cached logits, which the large batch holds as well,
+        # dominate: only the comparison with plain skorch at B applies
+        return
+    large = measure(name, 'plain', B * k, 1, rows)
     assert gradacc < 0.5 * large, (gradacc, large)

@@ -306,7 +306,7 @@ class TestOneMicroBatchAlive:
 
     def test_callback_that_reads_outputs_keeps_no_inputs(self):
         class ReadsOutputs(Callback):
-            needs_train_y_pred = True
+            train_batch_reads = ('y_pred',)
 
             def on_batch_end(self, net, training=False, y_pred=None, **kw):
                 if training:
@@ -319,7 +319,8 @@ class TestOneMicroBatchAlive:
 
     def test_callback_that_reads_the_batch_keeps_the_group(self):
         class ReadsBatch(Callback):
-            needs_train_batch = True
+            # its outputs, dynamically padded, could not be joined
+            train_batch_reads = ('X',)
 
             def on_batch_begin(self, net, batch=None, training=False, **kw):
                 if training:
@@ -331,28 +332,40 @@ class TestOneMicroBatchAlive:
         assert sorted(dict(net.callbacks_)['reads'].sizes_) == [13, 16, 16, 16]
         assert net.module_.alive_.most_alive['X'] == 3
 
-    def test_train_scoring_keeps_what_it_reads(self, clf_data):
-        X, y = clf_data
-        net = GradAccNeuralNet(
-            torch.nn.Linear, module__in_features=10, module__out_features=3,
-            module__dtype=DTYPE, criterion=torch.nn.CrossEntropyLoss,
-            acc_steps=2, verbose=0, max_epochs=1)
-        cases = [
-            ([], {'batch': False, 'y_pred': False}),
-            ([EpochScoring('neg_log_loss', on_train=True)],
-             {'batch': False, 'y_pred': True}),
-            ([EpochScoring('neg_log_loss', on_train=True, use_caching=False)],
-             {'batch': False, 'y_pred': False}),
-            ([BatchScoring('neg_log_loss', on_train=True)],
-             {'batch': True, 'y_pred': True}),
-            ([EpochScoring('neg_log_loss')], {'batch': False, 'y_pred': False}),
-        ]
-        for callbacks, expected in cases:
-            net.set_params(callbacks=callbacks).initialize()
-            assert net.get_train_outputs_needed() == expected, callbacks
+    @pytest.mark.parametrize('scoring_cls, inputs_alive', [
+        (EpochScoring, 0),  # caches targets and outputs, never inputs
+        (BatchScoring, 3),  # scores (X, y): the group's inputs are kept
+    ])
+    def test_train_scoring_keeps_what_it_reads(self, scoring_cls,
+                                               inputs_alive):
+        # skorch's scorers, with their defaults, on training: what is alive
+        # at each forward, and the scores of the large-batch net
+        def token_accuracy(net, X, y):
+            logits = net.forward(X)
+            mask = torch.as_tensor(y) != IGNORE
+            hits = (logits.argmax(-1) == torch.as_tensor(y))[mask]
+            return hits.double().mean().item()
+
+        scoring = scoring_cls(token_accuracy, on_train=True, name='tok_acc')
+        net = fit_watched(callbacks=[('scoring', scoring)],
+                          collate_fn=pad_to_12)
+        assert net.module_.alive_.most_alive['X'] == inputs_alive
+        seqs = sequences()
+        plain = NeuralNet(
+            TokenLM, iterator_train__batch_size=1,
+            iterator_train__batch_sampler=UnionSampler(BucketSampler(seqs, 4), 4),
+            iterator_train__collate_fn=pad_to_12,
+            callbacks=[('scoring', scoring_cls(
+                token_accuracy, on_train=True, name='tok_acc'))],
+            **{**COMMON, 'max_epochs': 1})
+        fit_seeded(plain, SequenceDataset(seqs))
+        np.testing.assert_allclose(net.history[:, 'tok_acc'],
+                                   plain.history[:, 'tok_acc'], rtol=1e-12)
 
     def test_reading_an_unkept_batch_says_how_to_keep_it(self):
         class ReadsBatch(Callback):
+            train_batch_reads = ()  # wrong: it reads the batch
+
             def on_batch_end(self, net, batch=None, training=False, **kw):
                 if training:
                     X, y = batch
@@ -361,10 +374,11 @@ class TestOneMicroBatchAlive:
             fit_watched(callbacks=[('reads', ReadsBatch())])
         assert str(exc.value) == (
             "GradAccMixin streams the micro-batches of a group and releases "
-            "them after their backward pass, so the training batch cannot be "
-            "read in on_batch_begin or on_batch_end. A callback that reads it "
-            "should set the class attribute needs_train_batch = True; the "
-            "net then keeps the group's micro-batches until its step is done.")
+            "them after their backward pass, so this training batch cannot be "
+            "read here. A callback that reads it declares so in its class "
+            "attribute train_batch_reads, e.g. train_batch_reads = ('X', 'y', "
+            "'y_pred'), or leaves it out; the net then keeps the group's "
+            "micro-batches until its step is done.")
 
 
 def test_all_padding_group_with_adam_equals_large_batch():

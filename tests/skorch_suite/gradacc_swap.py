@@ -1,27 +1,145 @@
 """A pytest plugin that runs skorch's own test-suite against the GradAcc nets.
 
 skorch's tests get their net classes with ``from skorch import
-NeuralNetClassifier`` (and so on). This plugin replaces those names in the
-``skorch`` package with the GradAcc nets, with the default ``acc_steps=1``,
-before any test module is imported. skorch's internals refer to the classes
-through their own modules, which are left alone.
+NeuralNetClassifier``, ``from skorch.classifier import
+NeuralNetBinaryClassifier`` or ``from skorch.net import NeuralNet``. This
+plugin puts the GradAcc nets in all of those places before any test module
+is imported. skorch's own code keeps its classes: ``skorch.classifier`` and
+``skorch.regressor`` name themselves in ``super(NeuralNetClassifier,
+self)``, so the tests see a copy of those modules with the names swapped,
+while skorch's functions keep reading the original modules.
+
+The environment variable ``GRADACC_SUITE_MODE`` chooses how the GradAcc nets
+train (the mode's name is in the pytest header):
+
+``plain``
+  the defaults: ``acc_steps=1``, no option set, plain skorch's training.
+``stream``
+  ``micro_batch_size`` defaults to ``MICRO_BATCH_SIZE``: every training
+  batch larger than that goes through the group loop in several pieces, and
+  so do validation and prediction batches.
+``acc2``
+  ``acc_steps`` defaults to 2, and the training iterator yields
+  micro-batches of half the ``batch_size`` the test asks for (when it is
+  even; else whole batches with one micro-batch per step), so each step's
+  group holds the rows of the batch the test asks for.
 
 Used by ``tests/test_skorch_suite.py``::
 
-    python -m pytest -p gradacc_swap --pyargs skorch.tests.test_net ...
+    GRADACC_SUITE_MODE=stream python -m pytest -p gradacc_swap \\
+        --pyargs skorch.tests.test_net ...
 
 """
 
+import functools
+import inspect
+import os
+import sys
+import types
+
 import skorch
+import skorch.classifier
+import skorch.net
+import skorch.regressor
 
 import skorch_gradacc
 
+MODE = os.environ.get('GRADACC_SUITE_MODE', 'plain')
+MICRO_BATCH_SIZE = 16
+MODES = ('plain', 'stream', 'acc2')
+if MODE not in MODES:
+    raise ValueError('GRADACC_SUITE_MODE must be one of {}, got {!r}.'.format(
+        MODES, MODE))
+
+
+def _swapped(base, **defaults):
+    """Return a subclass of ``base`` whose parameters default to ``defaults``.
+
+    Its ``__init__`` signature, which scikit-learn reads, shows the new
+    defaults, so that ``clone`` and ``get_params`` keep them.
+    """
+
+    def __init__(self, *args, **kwargs):
+        for name, value in defaults.items():
+            kwargs.setdefault(name, value)
+        super(cls, self).__init__(*args, **kwargs)
+
+    signature = inspect.signature(base.__init__)
+    __init__.__signature__ = signature.replace(parameters=[
+        param.replace(default=defaults[name]) if name in defaults else param
+        for name, param in signature.parameters.items()])
+
+    def get_iterator(self, dataset, training=False):
+        """In training, yield micro-batches of half ``batch_size``, if even."""
+        if not training or MODE != 'acc2':
+            return super(cls, self).get_iterator(dataset, training=training)
+        kwargs = self.get_params_for('iterator_train')
+        batch_size = kwargs.get('batch_size', self.batch_size)
+        if batch_size == -1:
+            batch_size = len(dataset)
+        if ('batch_sampler' in kwargs or not isinstance(batch_size, int)
+                or batch_size % 2 or self.get_acc_steps() != 2):
+            self.acc_steps_ = 1  # this fit's batches as they are
+            return super(cls, self).get_iterator(dataset, training=True)
+        kwargs['batch_size'] = batch_size // 2
+        return self.iterator_train(dataset, **kwargs)
+
+    # defined in this module under its qualified name, so that pickle
+    # finds it
+    namespace = {'__init__': __init__, 'get_iterator': get_iterator,
+                 '__module__': __name__, '__qualname__': '_' + base.__name__,
+                 '__doc__': None}  # its examples are the base's
+    cls = type(base.__name__, (base,), namespace)
+    globals()['_' + base.__name__] = cls
+    return cls
+
+
+DEFAULTS = {
+    'plain': {},
+    'stream': {'micro_batch_size': MICRO_BATCH_SIZE},
+    'acc2': {'acc_steps': 2},
+}[MODE]
+
 SWAPPED = {
-    'NeuralNet': skorch_gradacc.GradAccNeuralNet,
-    'NeuralNetClassifier': skorch_gradacc.GradAccNeuralNetClassifier,
-    'NeuralNetBinaryClassifier': skorch_gradacc.GradAccNeuralNetBinaryClassifier,
-    'NeuralNetRegressor': skorch_gradacc.GradAccNeuralNetRegressor,
+    name: _swapped(getattr(skorch_gradacc, 'GradAcc' + name), **DEFAULTS)
+    for name in ['NeuralNet', 'NeuralNetClassifier',
+                 'NeuralNetBinaryClassifier', 'NeuralNetRegressor']
 }
+
+
+class _PatchesReachAllNets(type):
+    """Forward attributes set on the swapped NeuralNet to skorch's NeuralNet.
+
+    skorch's tests patch ``skorch.NeuralNet.save_params`` to patch every
+    net; the swapped classifier and regressor derive from skorch's
+    ``NeuralNet``, not from the swapped one, so the patch is made there.
+    Subclasses (a test's ``class MyNet(NeuralNet)``) are left alone.
+    """
+
+    def __setattr__(cls, name, value):
+        if cls is globals().get('NeuralNet'):
+            setattr(ORIGINAL_NEURAL_NET, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(cls, name):
+        if cls is globals().get('NeuralNet'):
+            delattr(ORIGINAL_NEURAL_NET, name)
+        else:
+            super().__delattr__(name)
+
+
+def _neural_net(base):
+    def __init__(self, *args, **kwargs):
+        super(NeuralNet, self).__init__(*args, **kwargs)
+
+    __init__.__signature__ = inspect.signature(base.__init__)
+    return _PatchesReachAllNets('NeuralNet', (base,), {
+        '__init__': __init__, '__module__': __name__, '__doc__': None})
+
+
+ORIGINAL_NEURAL_NET = skorch.net.NeuralNet
+NeuralNet = SWAPPED['NeuralNet'] = _neural_net(SWAPPED['NeuralNet'])
 
 
 # Tests of skorch's suite that cannot apply to a differently named net class
@@ -45,21 +163,95 @@ OUT_OF_SCOPE = {
 }
 
 
+COUNTS_CALLS = ('counts the calls of the module or the criterion, which run '
+                'once per micro-batch')
+
+# Tests that assert what cannot match when the module sees micro-batches,
+# as the docs' compatibility page says, in the modes that train in pieces.
+OUT_OF_SCOPE_IN_PIECES = {
+    'test_module_output_2d_raises': (
+        "asserts the module output's shape in the message, (128, 2); the "
+        "module's output is a micro-batch's"),
+    'test_weights_restore': (
+        'relies on the dropout draws of seed 1 to stop early: dropout draws '
+        'its masks per micro-batch'),
+    # these count the calls of the module's forward or of the criterion,
+    # which run once per micro-batch: that is what micro-batches are
+    'test_fit_params_passed_to_module': COUNTS_CALLS,
+    'test_fit_params_passed_to_module_in_pipeline': COUNTS_CALLS,
+    'test_fit_with_extra_params_and_routing': COUNTS_CALLS,
+    'test_partial_fit_with_extra_params_and_routing': COUNTS_CALLS,
+    'test_criterion_training_set_correctly': COUNTS_CALLS,
+}
+# in the acc2 mode, every training batch is split, also the small ones
+OUT_OF_SCOPE_ACC2 = {
+    'test_net_overrides_caching': COUNTS_CALLS,
+    'test_dimension_mismatch_warning': (
+        "counts the criterion's broadcasting warnings, one per call, which "
+        'is one per micro-batch'),
+}
+def _out_of_scope():
+    out = dict(OUT_OF_SCOPE)
+    if MODE != 'plain':
+        out.update(OUT_OF_SCOPE_IN_PIECES)
+    if MODE == 'acc2':
+        out.update(OUT_OF_SCOPE_ACC2)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
+    out = _out_of_scope()
     for item in items:
         name = item.name.split('[')[0]
-        (deselected if name in OUT_OF_SCOPE else selected).append(item)
+        (deselected if name in out else selected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
 
 
+def _module_copy(module, **names):
+    """A copy of ``module`` for ``import`` statements, with ``names`` swapped."""
+    copy = types.ModuleType(module.__name__, module.__doc__)
+    copy.__dict__.update(vars(module))
+    copy.__dict__.update(names)
+    return copy
+
+
+def _refuse_plain_nets():
+    """Make fitting a net that is not a GradAcc net an error.
+
+    So a test that gets skorch's own class from somewhere the swap missed
+    fails, instead of passing on plain skorch.
+    """
+    partial_fit = skorch.net.NeuralNet.partial_fit
+
+    @functools.wraps(partial_fit)  # its signature, which sklearn reads
+    def checked_partial_fit(self, *args, **kwargs):
+        if not isinstance(self, skorch_gradacc.GradAccMixin):
+            raise AssertionError(
+                'gradacc_swap: a plain {} was fitted; the swap missed where '
+                'this test imports it from'.format(type(self).__name__))
+        return partial_fit(self, *args, **kwargs)
+
+    skorch.net.NeuralNet.partial_fit = checked_partial_fit
+
+
 def pytest_configure(config):
+    _refuse_plain_nets()
     for name, cls in SWAPPED.items():
         setattr(skorch, name, cls)
+    # skorch.net refers to NeuralNet only in docstrings: swapped in place
+    skorch.net.NeuralNet = SWAPPED['NeuralNet']
+    for module, names in [
+            (skorch.classifier, ['NeuralNetClassifier',
+                                 'NeuralNetBinaryClassifier']),
+            (skorch.regressor, ['NeuralNetRegressor'])]:
+        copy = _module_copy(module, **{name: SWAPPED[name] for name in names})
+        sys.modules[module.__name__] = copy
+        setattr(skorch, module.__name__.rsplit('.', 1)[1], copy)
 
 
 def pytest_report_header(config):
-    return 'gradacc_swap: skorch.{} are the GradAcc nets'.format(
-        ', skorch.'.join(SWAPPED))
+    return 'gradacc_swap: skorch.{} are the GradAcc nets, mode {}'.format(
+        ', skorch.'.join(SWAPPED), MODE)
