@@ -4,10 +4,12 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 from sklearn.base import clone
 from sklearn.model_selection import GridSearchCV, cross_val_score
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import FunctionTransformer
+from skorch import NeuralNetClassifier
 
 import skorch_gradacc
 from skorch_gradacc import GradAccNeuralNetClassifier
@@ -81,16 +83,29 @@ class TestSklearnApi:
         search = GridSearchCV(
             pipe, {'net__acc_steps': [1, 4], 'net__lr': [0.01, 0.1]},
             cv=2, scoring='accuracy', refit=True)
+        torch.manual_seed(0)
         search.fit(X, y)
-        assert len(search.cv_results_['params']) == 4
-        assert search.best_params_['net__acc_steps'] in (1, 4)
+        # the oracle: the same search over plain skorch's batch_size
+        plain_pipe = Pipeline([
+            ('scale', FunctionTransformer(lambda X: X / 2)),
+            ('net', NeuralNetClassifier(MLPClassifier, max_epochs=2,
+                                        verbose=0, train_split=None)),
+        ])
+        plain = GridSearchCV(
+            plain_pipe, {'net__batch_size': [8, 32], 'net__lr': [0.01, 0.1]},
+            cv=2, scoring='accuracy', refit=True)
+        torch.manual_seed(0)
+        plain.fit(X, y)
+        np.testing.assert_allclose(search.cv_results_['mean_test_score'],
+                                   plain.cv_results_['mean_test_score'],
+                                   rtol=1e-12)
+        assert search.best_index_ == plain.best_index_
         assert search.best_estimator_['net'].acc_steps == (
             search.best_params_['net__acc_steps'])
 
     def test_cross_val_score_is_reproducible(self, clf_data):
         X, y = clf_data
         net = make_net(acc_steps=4, train_split=None)
-        import torch
         torch.manual_seed(0)
         first = cross_val_score(net, X, y, cv=3)
         torch.manual_seed(0)
