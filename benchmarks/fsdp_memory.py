@@ -112,6 +112,7 @@ def _rank(config, out):
     dist.all_gather_object(every, figures)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(every))
+    dist.barrier()  # no rank tears down while another still talks
     dist.destroy_process_group()
 
 

@@ -169,8 +169,7 @@ def main(out_dir, scenario, backend='gloo'):
         'batch_sizes': [[int(size) for size in sizes] for sizes in
                         net.history[:, 'batches', :, 'train_batch_size']],
     }, Path(out_dir) / 'rank{}.pt'.format(rank))
-    # the comm hook runs no Python code on gloo's threads: nothing is left
-    # to free there when the process exits
+    dist.barrier()  # no rank tears down while another still talks
     dist.destroy_process_group()
 
 

@@ -132,6 +132,7 @@ def main(out_dir, scenario):
                               for epoch in net.history[:, 'batches']
                               for row in epoch],
     }, out_dir / 'rank{}.pt'.format(rank))
+    dist.barrier()  # no rank tears down while another still talks
     dist.destroy_process_group()
 
 
