@@ -21,9 +21,20 @@ import math
 
 from skorch_gradacc.batching import batch_len, concat_outputs
 
-__all__ = ['MicroBatchGroup', 'MicroBatchGroups']
+__all__ = ['MicroBatchGroup', 'MicroBatchGroups', 'length_or_none']
 
 _END = object()  # what _pull returns when the group has no more
+
+
+def length_or_none(micro_batches):
+    """Return the number of micro-batches an iterator yields, or None.
+
+    None when it has no length, e.g. an ``IterableDataset`` without one.
+    """
+    try:
+        return len(micro_batches)
+    except TypeError:
+        return None
 
 
 class MicroBatchGroups:
@@ -69,14 +80,8 @@ class MicroBatchGroups:
         """Return the number of groups, if the iterator has a length."""
         return math.ceil(len(self.micro_batches) / self.acc_steps)
 
-    def _micro_batch_count(self):
-        try:
-            return len(self.micro_batches)
-        except TypeError:  # an IterableDataset without a length, say
-            return None
-
     def __iter__(self):
-        remaining = self._micro_batch_count()
+        remaining = length_or_none(self.micro_batches)
         source = iter(self.micro_batches)
         # Pull the first micro-batch of each group before yielding the group,
         # so that skorch's loop never sees an empty group. This happens after

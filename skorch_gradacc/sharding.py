@@ -47,7 +47,7 @@ import torch.distributed as dist
 from skorch.utils import multi_indexing
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from skorch_gradacc.grouping import MicroBatchGroup
+from skorch_gradacc.grouping import MicroBatchGroup, length_or_none
 
 __all__ = ['ShardedGroup', 'ShardedMicroBatchGroups', 'broadcast_rng_states',
            'zero_rows']
@@ -310,12 +310,6 @@ class ShardedMicroBatchGroups:
         self.group = group
         self.sync_rng = sync_rng
 
-    def _micro_batch_count(self):
-        try:
-            return len(self.micro_batches)
-        except TypeError:  # an IterableDataset without a length, say
-            return None
-
     def __len__(self):
         """Return the number of steps, the same on every rank."""
         return math.ceil(len(self.micro_batches)
@@ -328,7 +322,7 @@ class ShardedMicroBatchGroups:
         stream holds placeholders for them; the template is filled with a
         zero-row micro-batch once one is seen.
         """
-        count = self._micro_batch_count()
+        count = length_or_none(self.micro_batches)
         shard = None
         if count is not None and count > self.rank:
             shard = _shard_loader(self.micro_batches, self.rank,
