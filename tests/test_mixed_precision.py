@@ -45,13 +45,17 @@ class ScaledFP16Net(NeuralNetClassifier):
 
     def initialize(self):
         super().initialize()
-        self.scaler_ = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+        self.scaler_ = torch.amp.GradScaler(self.device_type(),
+                                            init_scale=2.0 ** 8)
         return self
+
+    def device_type(self):
+        return torch.device(self.device).type
 
     def train_step_single(self, batch, **fit_params):
         self._set_training(True)
         Xi, yi = unpack_data(batch)
-        with torch.autocast('cpu', dtype=torch.float16):
+        with torch.autocast(self.device_type(), dtype=torch.float16):
             y_pred = self.infer(Xi, **fit_params)
             loss = self.get_loss(y_pred, yi, X=Xi, training=True)
         self.scaler_.scale(loss).backward()
@@ -288,16 +292,19 @@ def test_train_step_single_override_runs_in_either_order(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
-def test_fp16_on_cuda_matches_fp32_closely():
+def test_fp16_on_cuda_matches_hand_written_amp():
     X, y = data()
     kwargs = dict(COMMON, device='cuda')
     amp = fit_seeded(GradAccNeuralNetClassifier(
         Float32MLP, batch_size=8, acc_steps=4, mixed_precision='fp16',
         **kwargs), X, y)
-    fp32 = fit_seeded(GradAccNeuralNetClassifier(
-        Float32MLP, batch_size=8, acc_steps=4, **kwargs), X, y)
+    oracle = fit_seeded(ScaledFP16Net(Float32MLP, batch_size=32, **kwargs),
+                        X, y)
+    assert amp.history[:, 'skipped_steps'] == [0, 0]
+    # on the CPU the losses agree to 1.4e-5 (TestFloat16GradScaler); this
+    # bound, not yet measured on a GPU, leaves room for cuBLAS's own order
     np.testing.assert_allclose(amp.history[:, 'train_loss'],
-                               fp32.history[:, 'train_loss'], rtol=5e-2)
+                               oracle.history[:, 'train_loss'], rtol=1e-3)
 
 
 @pytest.mark.parametrize('value', ['fp8', 'float16', True, torch.float16])
