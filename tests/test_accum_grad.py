@@ -406,6 +406,57 @@ class TestOptimizerMethods:
         assert set(optimizer_methods()) == set(OPTIMIZER_METHOD_CASES)
 
 
+STATE_DICT_HOOKS = {
+    'register_state_dict_pre_hook': 'save',
+    'register_state_dict_post_hook': 'save',
+    'register_load_state_dict_pre_hook': 'load',
+    'register_load_state_dict_post_hook': 'load',
+}
+
+
+def state_dict_hook_calls(method, opt, inner):
+    """The calls of three hooks registered by ``method``, the second with
+    ``prepend=True``, in a save or a load: (name, arguments' types)."""
+    calls = []
+
+    def hook(name):
+        def record(*args):
+            assert args[0] is inner
+            calls.append((name, [type(arg).__name__ for arg in args[1:]]))
+        return record
+
+    getattr(opt, method)(hook('first'))
+    getattr(opt, method)(hook('prepended'), prepend=True)
+    getattr(opt, method)(hook('last'))
+    state = opt.state_dict()
+    if STATE_DICT_HOOKS[method] == 'load':
+        calls.clear()
+        opt.load_state_dict(state)
+    return calls
+
+
+class TestStateDictHooks:
+    @pytest.mark.parametrize('method', sorted(STATE_DICT_HOOKS))
+    def test_called_as_on_the_wrapped_optimizer(self, method):
+        # the oracle: the same hooks registered on a bare optimizer
+        inner = torch.optim.Adam(make_model().parameters())
+        calls = state_dict_hook_calls(method, AccumGrad(inner, 2), inner)
+        bare = torch.optim.Adam(make_model().parameters())
+        expected = state_dict_hook_calls(method, bare, bare)
+        assert [name for name, _ in expected] == ['prepended', 'first', 'last']
+        assert calls == expected
+
+    def test_post_hook_changes_what_is_saved(self):
+        model = make_model()
+        opt = AccumGrad(torch.optim.Adam(model.parameters()), 2)
+
+        def note(optimizer, state_dict):
+            state_dict['note'] = 'saved with a note'
+
+        opt.register_state_dict_post_hook(note)
+        assert opt.state_dict()['optimizer']['note'] == 'saved with a note'
+
+
 class TestGroups:
     def test_zero_grad_clears_only_at_group_start(self):
         model = make_model()

@@ -219,6 +219,27 @@ class TestBatchReads:
         acc_net, _ = make_nets(4, callbacks=callbacks)
         assert acc_net.initialize().get_train_outputs_needed() == expected
 
+    class TargetsAtBegin(Callback):
+        """Reads the targets before the group is trained on."""
+        train_batch_reads = ('y',)
+
+        def initialize(self):
+            self.targets_ = []
+            return self
+
+        def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+            if training:
+                _, y = batch
+                self.targets_.append(np.asarray(y).tolist())
+
+    def test_targets_read_in_batch_begin_are_the_large_batchs(self, clf_data):
+        acc_net, plain_net = fit_pair(
+            4, *clf_data, callbacks=[('targets', self.TargetsAtBegin())])
+        acc, plain = (dict(net.callbacks_)['targets'].targets_
+                      for net in (acc_net, plain_net))
+        assert len(acc) == 3 * 6  # 162 training rows in groups of 32
+        assert acc == plain
+
     def test_bad_declaration_raises_before_training(self):
         class Bad(Callback):
             train_batch_reads = 'y_pred'  # a string, not a collection

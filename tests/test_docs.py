@@ -183,6 +183,7 @@ def isolated(tmp_path, monkeypatch):
         sys.modules['matplotlib.pyplot'].close('all')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     'path, section, blocks', RECIPES,
     ids=['{}::{}'.format(path.name, section) for path, section, _ in RECIPES])
@@ -267,6 +268,7 @@ class TestExtraction:
 
 
 # myst-parser itself uses a Sphinx API that Sphinx 9 deprecates
+@pytest.mark.slow
 @pytest.mark.filterwarnings(
     'ignore:.*is deprecated. Check CHANGES for Sphinx API modifications')
 def test_docs_build_offline_without_warnings(tmp_path, monkeypatch):

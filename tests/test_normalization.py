@@ -96,6 +96,55 @@ class TestTokenLevelLoss:
         assert np.isfinite(acc_net.history[:, 'train_loss']).all()
 
 
+class MaskedMLP(torch.nn.Module):
+    """Logits of a small MLP, float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(10, 16, dtype=DTYPE)
+        self.output = torch.nn.Linear(16, 3, dtype=DTYPE)
+
+    def forward(self, X):
+        return self.output(torch.tanh(self.hidden(X)))
+
+
+class MaskedCrossEntropy(torch.nn.Module):
+    """The mean cross-entropy over the rows whose mask is 1; targets are
+    ``(label, mask)`` rows. NaN, and a NaN gradient, if every row is masked:
+    ``0 / 0``."""
+
+    def forward(self, y_pred, y_true):
+        mask = y_true[:, 1].to(y_pred.dtype)
+        ce = torch.nn.functional.cross_entropy(y_pred, y_true[:, 0],
+                                               reduction='none')
+        return (ce * mask).sum() / mask.sum()
+
+
+class MaskedGradAccNet(GradAccNeuralNet):
+    def count_loss_items(self, batch):
+        _, y = batch
+        return y[:, 1].sum()
+
+
+class TestMaskedLoss:
+    def test_leading_micro_batches_without_items_add_nothing(self):
+        # the first micro-batch of every group (8 rows of 32) is all masked:
+        # its gradient is NaN, and must not reach the update
+        X, labels = classification_data(203)
+        mask = (np.arange(203) % 32 >= 8).astype(np.int64)
+        y = np.stack([labels, mask], axis=1)
+        kwargs = dict(criterion=MaskedCrossEntropy, lr=0.1, max_epochs=3,
+                      optimizer__momentum=0.9, train_split=None, verbose=0)
+        acc_net = MaskedGradAccNet(MaskedMLP, batch_size=8, acc_steps=4,
+                                   **kwargs)
+        plain_net = NeuralNet(MaskedMLP, batch_size=32, **kwargs)
+        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        assert params_diff(acc_net, plain_net) < PARAM_ATOL
+        np.testing.assert_allclose(
+            acc_net.history[:, 'train_loss'], plain_net.history[:, 'train_loss'],
+            rtol=1e-10)
+
+
 class TestReduction:
     def test_sum_reduction_is_not_rescaled(self, reg_data):
         X, y = reg_data

@@ -46,6 +46,7 @@ def dist(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_build_makes_an_sdist_and_a_wheel(dist):
     version = skorch_gradacc.__version__
     names = sorted(path.name for path in dist.iterdir())
@@ -68,6 +69,7 @@ def test_build_makes_an_sdist_and_a_wheel(dist):
     assert 'Requires-Python: {}'.format(REQUIRES_PYTHON.group(1)) in metadata
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
     env_dir = tmp_path / 'venv'
     venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)

@@ -20,6 +20,7 @@ RUN_REQUIREMENTS = ROOT / 'requirements' / 'run.txt'
 CPU_INDEX = 'https://download.pytorch.org/whl/cpu'
 
 
+@pytest.mark.slow
 def test_readme_example_runs(capsys):
     blocks = re.findall(r'```python\n(.*?)```', README.read_text(), re.S)
     assert blocks
@@ -78,6 +79,7 @@ def test_no_project_url_of_another_project():
     assert 'github.com/skorch-dev/skorch' not in PYPROJECT.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_notebook_command_runs(tmp_path):
     # the README's command, on a copy of the notebook, in the test

@@ -6,6 +6,8 @@ import pytest
 import torch
 from skorch import NeuralNetClassifier
 from skorch.callbacks import LRScheduler
+from skorch.dataset import Dataset
+from skorch.helper import predefined_split
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 
@@ -65,6 +67,42 @@ def test_skipped_group_is_as_if_absent():
     assert all(torch.isfinite(p).all() for p in net.module_.parameters())
     for param in net.module_.parameters():
         assert param.grad is None or torch.isfinite(param.grad).all()
+
+
+@pytest.mark.parametrize('validation', [False, True])
+def test_epoch_scheduler_steps_after_a_skipped_last_group(validation):
+    # the last group of every epoch (rows 192..202) is skipped; an epoch-level
+    # scheduler still steps at every epoch's end, as on the plain net
+    # without those rows; validation rows record no step_skipped
+    X, y = classification_data(203)
+    X[200, 0] = MARK
+    kwargs = common()
+    if validation:
+        X_valid, y_valid = classification_data(50, seed=1)
+        kwargs['train_split'] = predefined_split(Dataset(X_valid, y_valid))
+
+    def epoch_scheduler():
+        return LRScheduler(torch.optim.lr_scheduler.StepLR, step_size=1,
+                           gamma=0.5, event_name='event_lr')
+
+    net = GradAccNeuralNetClassifier(
+        NaNOnMark, batch_size=8, acc_steps=4, skip_nonfinite=True,
+        callbacks=[('lr', epoch_scheduler())], **kwargs)
+    fit_seeded(net, X, y)
+    plain = NeuralNetClassifier(MLPClassifier, batch_size=32,
+                                callbacks=[('lr', epoch_scheduler())], **kwargs)
+    fit_seeded(plain, X[:192], y[:192])
+
+    assert net.history[:, 'skipped_steps'] == [1, 1, 1]
+    assert net.history[:, 'event_lr'] == plain.history[:, 'event_lr'] == [
+        0.01, 0.005, 0.0025]
+    assert net.optimizer_.param_groups[0]['lr'] == 0.01 * 0.5 ** 3
+    for key, value in net.module_.state_dict().items():
+        torch.testing.assert_close(value, plain.module_.state_dict()[key],
+                                   rtol=0, atol=PARAM_ATOL)
+    if validation:
+        np.testing.assert_allclose(net.history[:, 'valid_loss'],
+                                   plain.history[:, 'valid_loss'], rtol=1e-10)
 
 
 def test_off_by_default_behaves_like_plain_skorch():

@@ -138,6 +138,18 @@ class TestScoringAndLogging:
         assert plain == (6 + 2, 6 + 2)
         assert acc[0] == acc[1]  # the bar is filled exactly
 
+    def test_progress_bar_with_its_own_validation_batch_size(self, clf_data):
+        # the training micro-batches are counted at the training batch size
+        results = []
+        for net in make_nets(4, iterator_valid__batch_size=5, callbacks=[
+                ('progress', ProgressBar())]):
+            fit_seeded(net, *clf_data)
+            bar = dict(net.callbacks_)['progress']
+            results.append((bar.pbar_.total, bar.pbar_.n))
+        # 162 train samples in groups of 32: 6 steps; 41 valid samples
+        # in batches of 5: 9
+        assert results[0] == results[1] == (6 + 9, 6 + 9)
+
     def test_user_progress_bar_is_left_alone(self):
         bar = ProgressBar()
         net = GradAccNeuralNetClassifier(MLPClassifier, acc_steps=2,

@@ -6,7 +6,8 @@ Usage: ddp_worker.py OUT_DIR SCENARIO [BACKEND], where SCENARIO is one of
 
 * ``samples``: a classifier on 195 rows, ``batch_size=8``: 25
   micro-batches, the last of 3 rows, so rank 1 has none in the last step;
-* ``shuffle``: 203 rows with ``iterator_train__shuffle=True``;
+* ``shuffle``: 203 rows with ``iterator_train__shuffle=True``, and each
+  rank seeded with its rank;
 * ``tokens``: a token-level loss whose item counts differ between ranks;
 * ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
 * ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
@@ -151,7 +152,10 @@ def main(out_dir, scenario, backend='gloo'):
             device = 'cuda:{}'.format(dist.get_rank())
             torch.cuda.set_device(device)
     rank = int(os.environ['RANK'])  # set by torchrun
-    torch.manual_seed(0)  # the same initial weights on every rank
+    # The same seed on every rank, except in 'shuffle': there rank 1 draws
+    # other initial weights and another order, unless DDP gives it rank
+    # 0's weights and the net rank 0's random state each epoch.
+    torch.manual_seed(rank if scenario == 'shuffle' else 0)
     net, X, y = make_net_and_data(scenario, rank, device)
     net.fit(X, y)
     module = net.module_
