@@ -32,7 +32,7 @@ import torch
 from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
 
-from skorch_gradacc.batch_reads import callback_reads
+from skorch_gradacc.batch_reads import callback_reads, warn_undeclared_reads
 from skorch_gradacc.batching import (
     batch_len,
     concat_outputs,
@@ -376,7 +376,8 @@ class GradAccMixin(StepDecisionMixin):
           ``train_batch_reads``: a collection of ``'X'`` (inputs), ``'y'``
           (targets) and ``'y_pred'`` (outputs), or ``()`` for none of them.
           For example, a callback that logs the running loss from the
-          history declares ``train_batch_reads = ()``.
+          history declares ``train_batch_reads = ()``. For a callback that
+          declares nothing, the net warns once that it keeps the group.
 
         The memory this costs, until the group's step is done: the group's
         micro-batches as the iterator yielded them (``'X'``, or ``'y'`` read
@@ -412,6 +413,7 @@ class GradAccMixin(StepDecisionMixin):
 
         """
         reads, at_begin = set(), False
+        warn_undeclared_reads(self, getattr(self, 'callbacks_', []))
         for _, cb in getattr(self, 'callbacks_', []):
             cb_reads, cb_at_begin = callback_reads(self, cb)
             reads |= cb_reads
