@@ -327,3 +327,15 @@ def test_step_aware_callbacks_are_deprecated(name, args):
 
     with pytest.warns(FutureWarning, match=name + ' is deprecated'):
         getattr(skorch_gradacc, name)(*args)
+
+
+def test_memory_page_gives_the_warnings_words():
+    from pathlib import Path
+
+    from skorch_gradacc.batch_reads import UNDECLARED_READS_MESSAGE
+
+    page = Path(__file__).parent.parent / 'docs' / 'memory_and_robustness.rst'
+    text = ' '.join(page.read_text().split())
+    assert UNDECLARED_READS_MESSAGE.format(
+        net='MyNet', name='log', cls='LogShapes',
+        methods='on_batch_end') in text
