@@ -37,6 +37,8 @@ class AutocastBF16Net(NeuralNetClassifier):
 
 
 class RecordGradNorms(Callback):
+    train_batch_reads = ()  # only the gradients
+
     def initialize(self):
         self.norms_ = []
         return self
