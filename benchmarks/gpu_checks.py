@@ -4,7 +4,7 @@ Usage, from the repository root, on a machine with a GPU::
 
     PYTHONPATH=$PWD python benchmarks/gpu_checks.py
 
-It takes under 8 minutes on one GPU and runs:
+It has not yet run on a GPU, so how long it takes is not known. It runs:
 
 * ``cuda tests``: the tests marked ``cuda`` or named for CUDA
   (``pytest -k cuda`` over the test files that mention CUDA);

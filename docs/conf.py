@@ -56,8 +56,10 @@ autodoc_default_options = {'show-inheritance': True}
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 
-# CHANGES.md is included by changes.rst through myst_parser.
+# CHANGES.md is included by changes.rst, and the README's commands by
+# installation.rst, through myst_parser; the README's sections are H2.
 myst_heading_anchors = 2
+suppress_warnings = ['myst.header']
 
 if os.environ.get('SKORCH_GRADACC_INTERSPHINX') == '1':
     extensions.append('sphinx.ext.intersphinx')

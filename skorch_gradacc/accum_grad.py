@@ -92,8 +92,7 @@ class AccumGrad(torch.optim.Optimizer):
     optimizer's state dict, the ``'optimizer'`` entry of the wrapper's.
 
     Counts may be tensors on the gradients' device, e.g. ``(y !=
-    -100).sum()``: on a GPU they are never read on the host, so counting
-    does not make the host wait for the device (see :meth:`set_count`).
+    -100).sum()`` (see :meth:`set_count`).
 
     The gradient of a group in progress is in the parameters' ``.grad``, not
     in :meth:`state_dict`. Save checkpoints at group boundaries

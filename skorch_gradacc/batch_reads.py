@@ -17,15 +17,29 @@ before the epoch what the callbacks will read of the group:
   would pass it, the whole group's rows and outputs, unless its class
   declares what it reads in the attribute ``train_batch_reads``: a
   collection of ``'X'`` (the inputs), ``'y'`` (the targets) and ``'y_pred'``
-  (the outputs); ``()`` for nothing. See :func:`callback_reads`.
+  (the outputs); ``()`` for nothing. See :func:`callback_reads`. Since
+  that keeps a group's rows and outputs until its step, the net warns once
+  per callback that declares nothing (:func:`warn_undeclared_reads`).
 """
+
+import warnings
 
 from skorch.callbacks import BatchScoring, EpochScoring
 
-__all__ = ['PARTS', 'callback_reads', 'skorch_reads']
+__all__ = ['PARTS', 'callback_reads', 'skorch_reads', 'warn_undeclared_reads']
 
 PARTS = frozenset({'X', 'y', 'y_pred'})
 BATCH_METHODS = ('on_batch_begin', 'on_grad_computed', 'on_batch_end')
+
+
+UNDECLARED_READS_MESSAGE = (
+    "{net} keeps each training group's micro-batches and outputs until its "
+    "optimizer step for callback {name!r} ({cls}): it overrides {methods} "
+    "and does not declare what it reads of a batch, so it gets the whole "
+    "group, as the large-batch net would pass it, and memory grows with "
+    "acc_steps. Declare in its class what it reads: train_batch_reads = () "
+    "if it reads nothing of the batch (only the history or the net), or "
+    "e.g. train_batch_reads = ('y_pred',) for the outputs.")
 
 
 def _owner(cls, name):
@@ -34,6 +48,13 @@ def _owner(cls, name):
         if name in vars(klass):
             return klass
     return None
+
+
+def _own_batch_methods(cls):
+    """Return the batch methods that ``cls`` overrides outside skorch."""
+    return [name for name in BATCH_METHODS
+            if (_owner(cls, name) is not None
+                and not _is_skorchs(_owner(cls, name)))]
 
 
 def _is_skorchs(klass):
@@ -123,9 +144,7 @@ def callback_reads(net, callback):
     # read from the class, so that a Mock, whose attributes all exist,
     # declares nothing
     declared = getattr(cls, 'train_batch_reads', None)
-    own = [name for name in BATCH_METHODS
-           if (_owner(cls, name) is not None
-               and not _is_skorchs(_owner(cls, name)))]
+    own = _own_batch_methods(cls)
     if declared is not None:
         if isinstance(declared, str) or not set(declared) <= PARTS:
             raise ValueError(
@@ -139,3 +158,35 @@ def callback_reads(net, callback):
         return skorch_reads(net, callback), False
     at_begin = 'on_batch_begin' in own and bool(reads & {'X', 'y'})
     return reads, at_begin
+
+
+def warn_undeclared_reads(net, callbacks):
+    """Warn once per callback that the net keeps a group for it unasked.
+
+    A callback of your own that overrides a batch method and does not
+    declare ``train_batch_reads`` is given the whole group, so the net keeps
+    the group's micro-batches and outputs until the step: on a language
+    model's token-level head, many times the memory of one micro-batch. The
+    warning names the callback and says how to declare what it reads. It is
+    given once per net and callback name.
+
+    Parameters
+    ----------
+    net : skorch.NeuralNet
+      The net that trains in groups.
+
+    callbacks : list of (str, Callback)
+      The net's ``callbacks_``.
+
+    """
+    warned = net.__dict__.setdefault('_undeclared_reads_warned', set())
+    for name, callback in callbacks:
+        cls = type(callback)
+        methods = _own_batch_methods(cls)
+        if (not methods or getattr(cls, 'train_batch_reads', None) is not None
+                or name in warned):
+            continue
+        warned.add(name)
+        warnings.warn(UNDECLARED_READS_MESSAGE.format(
+            net=type(net).__name__, name=name, cls=cls.__name__,
+            methods=' and '.join(methods)), UserWarning, stacklevel=2)

@@ -32,7 +32,7 @@ import torch
 from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
 
-from skorch_gradacc.batch_reads import callback_reads
+from skorch_gradacc.batch_reads import callback_reads, warn_undeclared_reads
 from skorch_gradacc.batching import (
     batch_len,
     concat_outputs,
@@ -57,10 +57,12 @@ class GradAccMixin(StepDecisionMixin):
     With ``acc_steps=k``, the net takes one optimizer step per group of
     ``k`` consecutive micro-batches of its training iterator, which is
     skorch's, exactly as configured (``batch_size``, a sampler or batch
-    sampler, ``collate_fn``, an ``IterableDataset``). The update is the one
-    plain skorch makes on the union of those micro-batches, e.g. with
-    ``batch_size=B * k``: the same parameters, the same history (one row per
-    optimizer step) and the same callback calls.
+    sampler, ``collate_fn``, an ``IterableDataset``). Training is that of
+    plain skorch on the unions of those micro-batches, e.g. with
+    ``batch_size=B * k``: the same parameters, the same training history (one
+    row per optimizer step), and training callbacks called once per step.
+    Validation runs at ``batch_size``; the docs' compatibility page says what
+    cannot match the large batch.
 
     How this is achieved:
 
@@ -87,13 +89,6 @@ class GradAccMixin(StepDecisionMixin):
     With ``acc_steps=1`` and none of the other options, training is plain
     skorch's. Validation and prediction run at ``batch_size``, untouched,
     unless ``micro_batch_size`` is set: then they are split as well.
-
-    .. note::
-
-       Layers whose output depends on the other samples of the batch, such
-       as :class:`torch.nn.BatchNorm1d`, see micro-batches, not the group,
-       and dropout draws its masks per micro-batch; see the docs' page on
-       compatibility for what cannot match the large batch.
 
     Parameters
     ----------
@@ -376,7 +371,8 @@ class GradAccMixin(StepDecisionMixin):
           ``train_batch_reads``: a collection of ``'X'`` (inputs), ``'y'``
           (targets) and ``'y_pred'`` (outputs), or ``()`` for none of them.
           For example, a callback that logs the running loss from the
-          history declares ``train_batch_reads = ()``.
+          history declares ``train_batch_reads = ()``. For a callback that
+          declares nothing, the net warns once that it keeps the group.
 
         The memory this costs, until the group's step is done: the group's
         micro-batches as the iterator yielded them (``'X'``, or ``'y'`` read
@@ -412,6 +408,7 @@ class GradAccMixin(StepDecisionMixin):
 
         """
         reads, at_begin = set(), False
+        warn_undeclared_reads(self, getattr(self, 'callbacks_', []))
         for _, cb in getattr(self, 'callbacks_', []):
             cb_reads, cb_at_begin = callback_reads(self, cb)
             reads |= cb_reads

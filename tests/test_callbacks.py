@@ -1,6 +1,7 @@
 """Invariant 3: callbacks see one batch per optimizer step, with the whole,
 normalized gradient, and so behave as on the large-batch net."""
 
+import warnings
 from unittest.mock import Mock
 
 import numpy as np
@@ -215,6 +216,7 @@ class TestBatchReads:
                                      step_every='batch')],
          {'batch': False, 'y': False, 'y_pred': False}),
     ])
+    @pytest.mark.filterwarnings('ignore:.*does not declare what it reads')
     def test_what_is_kept(self, callbacks, expected):
         acc_net, _ = make_nets(4, callbacks=callbacks)
         assert acc_net.initialize().get_train_outputs_needed() == expected
@@ -239,6 +241,41 @@ class TestBatchReads:
                       for net in (acc_net, plain_net))
         assert len(acc) == 3 * 6  # 162 training rows in groups of 32
         assert acc == plain
+
+    def test_undeclared_callback_is_warned_about_once(self, clf_data):
+        X, y = clf_data
+        acc_net, _ = make_nets(4, max_epochs=3, callbacks=[
+            ('shapes', self.Undeclared()), ('declared', self.Declared()),
+            ('scoring', EpochScoring('accuracy', on_train=True)),
+            ('bar', ProgressBar())])
+        with pytest.warns(UserWarning) as record:
+            fit_seeded(acc_net, X, y)
+            fit_seeded(acc_net, X, y)  # a second fit: no second warning
+        messages = [str(w.message) for w in record
+                    if 'train_batch_reads' in str(w.message)]
+        assert messages == [
+            "GradAccNeuralNetClassifier keeps each training group's "
+            "micro-batches and outputs until its optimizer step for callback "
+            "'shapes' (Undeclared): it overrides on_batch_end and does not "
+            "declare what it reads of a batch, so it gets the whole group, as "
+            "the large-batch net would pass it, and memory grows with "
+            "acc_steps. Declare in its class what it reads: "
+            "train_batch_reads = () if it reads nothing of the batch (only "
+            "the history or the net), or e.g. train_batch_reads = "
+            "('y_pred',) for the outputs."]
+
+    @pytest.mark.parametrize('acc_steps', [1, 4])
+    def test_no_warning_without_undeclared_callbacks(self, clf_data,
+                                                     acc_steps):
+        X, y = clf_data
+        acc_net, _ = make_nets(acc_steps, max_epochs=1, callbacks=[
+            self.Declared(), BatchScoring('accuracy', on_train=True),
+            LRScheduler('StepLR', step_size=1, step_every='batch'), Mock()])
+        if acc_steps == 1:  # plain skorch's loop keeps nothing more
+            acc_net.set_params(callbacks__Declared=self.Undeclared())
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            fit_seeded(acc_net, X, y)
 
     def test_bad_declaration_raises_before_training(self):
         class Bad(Callback):
@@ -311,3 +348,15 @@ def test_step_aware_callbacks_are_deprecated(name, args):
 
     with pytest.warns(FutureWarning, match=name + ' is deprecated'):
         getattr(skorch_gradacc, name)(*args)
+
+
+def test_memory_page_gives_the_warnings_words():
+    from pathlib import Path
+
+    from skorch_gradacc.batch_reads import UNDECLARED_READS_MESSAGE
+
+    page = Path(__file__).parent.parent / 'docs' / 'memory_and_robustness.rst'
+    text = ' '.join(page.read_text().split())
+    assert UNDECLARED_READS_MESSAGE.format(
+        net='MyNet', name='log', cls='LogShapes',
+        methods='on_batch_end') in text

@@ -92,6 +92,8 @@ def applied_steps(net):
 
 
 class RecordGradNorms(Callback):
+    train_batch_reads = ()  # only the gradients
+
     def initialize(self):
         self.norms_ = []
         return self

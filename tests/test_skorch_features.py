@@ -323,3 +323,98 @@ class TestPersistence:
         assert cloned.acc_steps == 4 and not cloned.initialized_
         fit_seeded(cloned, *clf_data), fit_seeded(plain_net, *clf_data)
         assert_equivalent(cloned, plain_net)
+
+
+class TestLoggersAndHelpers:
+    """skorch's loggers read only the history; SkorchDoctor records per
+    micro-batch (docs/compatibility.rst says how to read it)."""
+
+    @staticmethod
+    def loggers():
+        from unittest.mock import MagicMock
+
+        from skorch.callbacks import (
+            InputShapeSetter,
+            MlflowLogger,
+            NeptuneLogger,
+            SacredLogger,
+            TensorBoard,
+            WandbLogger,
+        )
+
+        return [
+            ('tensorboard', TensorBoard(MagicMock())),
+            ('wandb', WandbLogger(MagicMock(), save_model=False)),
+            ('mlflow', MlflowLogger(MagicMock(), MagicMock(),
+                                    create_artifact=False,
+                                    log_on_batch_end=True)),
+            ('neptune', NeptuneLogger(MagicMock(), log_on_batch_end=True)),
+            ('sacred', SacredLogger(MagicMock(), log_on_batch_end=True)),
+            ('shape', InputShapeSetter('n_in')),
+        ]
+
+    def test_loggers_keep_nothing_and_log_the_large_batch_rows(
+            self, clf_data):
+        import warnings
+
+        X, y = clf_data
+        acc_net, _ = make_nets(4, callbacks=self.loggers())
+        assert acc_net.initialize().get_train_outputs_needed() == {
+            'batch': False, 'y': False, 'y_pred': False}
+        # neptune's logger imports neptune at the end of training
+        loggers = [cb for cb in self.loggers() if cb[0] != 'neptune']
+        acc_net, plain_net = make_nets(4, max_epochs=2, callbacks=loggers)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')  # no undeclared-reads warning
+            fit_seeded(acc_net, X, y)
+        fit_seeded(plain_net, X, y)
+        assert_equivalent(acc_net, plain_net)
+
+        def batch_logs(net):
+            sacred = dict(net.callbacks_)['sacred'].experiment
+            return [call.args for call in sacred.log_scalar.call_args_list
+                    if call.args[0] == 'train_loss_batch']
+
+        logged, expected = batch_logs(acc_net), batch_logs(plain_net)
+        assert len(logged) == len(expected) == 2 * 6  # one per step
+        np.testing.assert_allclose([value for _, value in logged],
+                                   [value for _, value in expected],
+                                   rtol=1e-10)
+
+    def test_skorch_doctor_records_each_micro_batch(self):
+        from skorch.helper import SkorchDoctor
+
+        from conftest import classification_data
+
+        X, y = classification_data(160)  # 10 steps of 2 micro-batches of 8
+
+        def doctor(net_cls, **kwargs):
+            torch.manual_seed(0)
+            net = net_cls(MLPClassifier, max_epochs=1, lr=0.1,
+                          train_split=None, verbose=0, **kwargs)
+            return SkorchDoctor(net).fit(X, y)
+
+        acc = doctor(GradAccNeuralNetClassifier, batch_size=8, acc_steps=2)
+        large = doctor(NeuralNetClassifier, batch_size=16)
+        assert (acc.num_steps_, large.num_steps_) == (20, 10)
+        for recs in ('activation_recs_', 'gradient_recs_',
+                     'param_update_recs_'):
+            assert len(getattr(acc, recs)['module']) == 20
+            assert len(getattr(large, recs)['module']) == 10
+        # records 2i and 2i+1 are step i's micro-batches: their activations
+        # are the step's rows, their mean gradient (weighted by count) the
+        # step's gradient
+        for step in range(10):
+            first, second = (acc.activation_recs_['module'][2 * step + j]
+                             for j in range(2))
+            for layer, value in large.activation_recs_['module'][step].items():
+                np.testing.assert_allclose(
+                    np.concatenate([first[layer], second[layer]]), value,
+                    rtol=0, atol=1e-12)
+            first, second = (acc.gradient_recs_['module'][2 * step + j]
+                             for j in range(2))
+            for param, value in large.gradient_recs_['module'][step].items():
+                np.testing.assert_allclose(
+                    (first[param] + second[param]) / 2, value, rtol=0,
+                    atol=1e-12)
+        assert len(acc.net.history[-1, 'batches']) == 10  # rows per step
