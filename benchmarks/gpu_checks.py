@@ -50,6 +50,7 @@ from skorch_gradacc import (  # noqa: E402
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
 )
+from skorch_gradacc.demo import max_param_diff  # noqa: E402
 from skorch_gradacc.grouping import MicroBatchGroups  # noqa: E402
 
 __all__ = ['CHECKS', 'main']
@@ -146,8 +147,7 @@ def check_auto_oom(device, dry):
             torch.cuda.empty_cache()
     torch.manual_seed(0)
     plain = NeuralNetClassifier(**wide, **kwargs).fit(X, y)
-    diff = max((p - q).abs().max().item() for p, q in zip(
-        net.module_.parameters(), plain.module_.parameters()))
+    diff = max_param_diff(net, plain)
     assert diff <= 1e-10, diff
     if dry:
         raise NotRun('needs a GPU for a real out-of-memory error; ran '
@@ -161,7 +161,7 @@ def check_auto_oom(device, dry):
 def check_lm_memory(device, dry):
     """Peak GPU memory of a language model's head: plain at ``B``, GradAcc
     ``(B, k)``, plain at ``B * k``."""
-    from benchmarks.stream_memory import MODELS, _build
+    from benchmarks.stream_memory import MODELS, build
     batch_size, acc_steps, rows = MODELS['lm_tokens']
     rows = rows if not dry else batch_size * 4
     peaks = {}
@@ -170,7 +170,7 @@ def check_lm_memory(device, dry):
                                 acc_steps),
                                ('plain B*k', NeuralNet,
                                 batch_size * acc_steps, None)):
-        module, criterion, X, y = _build('lm_tokens', rows)
+        module, criterion, X, y = build('lm_tokens', rows)
         extra = {} if k is None else {'acc_steps': k}
         net = cls(module, criterion=criterion, batch_size=size, max_epochs=1,
                   train_split=None, verbose=0, device=device, **extra)
