@@ -85,14 +85,19 @@ def _rank(config):
     os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog='python -m benchmarks.fsdp_memory',
+                                     description=__doc__.splitlines()[0])
     parser.add_argument('--out', default='benchmark_results',
                         help='folder for the results (default: '
                              'benchmark_results; the committed run is in '
                              'benchmarks/results)')
     parser.add_argument('--rank', choices=CONFIGS, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.rank:
         return _rank(args.rank)
     from benchmarks.harness import provenance, save, torchrun

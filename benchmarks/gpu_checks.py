@@ -4,28 +4,18 @@ Usage, from the repository root, on a machine with a GPU::
 
     PYTHONPATH=$PWD python benchmarks/gpu_checks.py
 
-It takes under 8 minutes on one GPU and runs:
-
-* ``cuda tests``: the tests marked ``cuda`` or named for CUDA
-  (``pytest -k cuda`` over the test files that mention CUDA);
-* ``fp16`` and ``bf16``: ``mixed_precision`` against full precision on
-  the GPU, the relative difference of the training losses;
-* ``auto OOM``: ``micro_batch_size='auto'`` under a memory cap of 1 GiB
-  (a real CUDA out-of-memory error), float64, against plain skorch at the
-  whole batch, within ``1e-10``;
-* ``LM memory``: ``torch.cuda.max_memory_allocated`` of a language
-  model's head (logits the largest tensor) trained by plain skorch at the
-  micro-batch ``B``, by ``GradAccNeuralNet(B, k)`` and by plain skorch at
-  ``B * k``;
-* ``NCCL, world size 1``: ``torchrun --nproc_per_node 1`` with NCCL
-  against the single process, within ``1e-10``;
-* ``sync-free step``: one GradAcc step whose ``count_loss_items`` returns
-  a tensor on the GPU, under ``torch.cuda.set_sync_debug_mode('error')``.
-
+The checks: the tests marked ``cuda`` or named for CUDA; ``fp16`` and
+``bf16`` against full precision (relative loss difference);
+``micro_batch_size='auto'`` after a real CUDA out-of-memory error (1 GiB
+cap), float64, within ``1e-10`` of plain skorch; a language model head's
+``torch.cuda.max_memory_allocated`` as plain skorch at ``B``,
+``GradAccNeuralNet(B, k)`` and plain skorch at ``B * k``; ``torchrun`` with
+NCCL and one rank against the single process, within ``1e-10``; and one
+step with tensor item counts under ``torch.cuda.set_sync_debug_mode('error')``.
 With ``--dry-run`` (or without a GPU) the same code runs on the CPU, small,
-where it can: the checks that need a GPU report ``not run``.
-``tests/test_distributed.py`` runs the dry run, so that the script does
-not rot. The exit status is 1 if a check failed.
+where it can; the rest reports ``not run``. ``tests/test_distributed.py``
+runs the dry run, so that the script does not rot. The exit status is 1 if
+a check failed.
 """
 
 import argparse

@@ -25,7 +25,6 @@ import csv
 import ctypes
 import datetime
 import gc
-import io
 import json
 import multiprocessing
 import os
@@ -213,20 +212,15 @@ def provenance(module, argv):
     }
 
 
-def csv_text(rows):
-    """Rows (the first is the header) as CSV text."""
-    text = io.StringIO()
-    csv.writer(text, lineterminator='\n').writerows(rows)
-    return text.getvalue()
-
-
 def save(out, name, results, **tables):
-    """Write ``name.json`` (``results``) and each table as ``KEY.csv``."""
+    """Write ``name.json`` (``results``) and each table (rows, the header
+    first) as ``KEY.csv`` into the folder ``out``; return the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / (name + '.json')]
     paths[0].write_text(json.dumps(results, indent=1) + '\n')
     for key, rows in tables.items():
         paths.append(out / (key + '.csv'))
-        paths[-1].write_text(csv_text(rows))
+        with open(paths[-1], 'w', newline='') as file:
+            csv.writer(file, lineterminator='\n').writerows(rows)
     return paths

@@ -136,8 +136,9 @@ def measure_models(names, repeats=3):
     return results
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog='python -m benchmarks.stream_memory',
+                                     description=__doc__.split('\n\n')[0])
     parser.add_argument('--out', default='benchmark_results',
                         help='folder for the results (default: '
                              'benchmark_results; the committed run is in '
@@ -145,7 +146,11 @@ def main(argv=None):
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--sweep', action='store_true',
                         help='also measure lm_tokens for acc_steps 1..32')
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     meta = provenance('benchmarks.stream_memory',
                       sys.argv[1:] if argv is None else argv)
     results = measure_models(list(MODELS), repeats=args.repeats)
@@ -164,7 +169,8 @@ def main(argv=None):
             [row['k'], round(row['plain_B']), round(row['gradacc']),
              round(row['plain_Bk'])] for row in sweep]
     for path in save(args.out, 'stream_memory', {
-            'meta': meta, 'models': results, 'sweep': sweep}, **tables):
+            'meta': meta, 'repeats': args.repeats, 'models': results,
+            'sweep': sweep}, **tables):
         print(path.read_text() if path.suffix == '.csv' else path)
     return 0
 

@@ -203,12 +203,12 @@ def _rss(rss_models, repeats, mallocs):
     runs = {job: [] for job in jobs}
     for _ in range(repeats):
         for malloc, name, k, label in jobs:
-            cfg = rss_models[name]
+            B, kwargs = rss_models[name]['B'], rss_models[name].get(
+                'module_kwargs', {})
             runs[malloc, name, k, label].append(fresh_process(
                 rss_peak, 'plain' if label.startswith('plain') else label,
-                name, cfg.get('module_kwargs', {}),
-                cfg['B'] * k if label == 'plain_Bk' else cfg['B'], k,
-                cfg['B'] * k, malloc=malloc))
+                name, kwargs, B * k if label == 'plain_Bk' else B, k, B * k,
+                malloc=malloc))
     rss = {}
     for (malloc, name, k, label), values in runs.items():
         cfg = rss_models[name]
@@ -217,22 +217,19 @@ def _rss(rss_models, repeats, mallocs):
                      'module_kwargs': cfg.get('module_kwargs', {})})
         entry[label] = {key: summary([run[key] for run in values])
                         for key in ('train_kib', 'activation_bytes')}
-    for by_model in rss.values():
-        for name, by_k in by_model.items():
-            X, _ = make_data(name, 2, **rss_models[name].get('module_kwargs', {}))
-            for entry in by_k.values():
-                for key in ('train_kib', 'activation_bytes'):
-                    entry[key + '_vs_plain_B'] = {
-                        label: entry[label][key]['median']
-                        / entry['plain_B'][key]['median']
-                        for label in RSS_CONTENDERS}
-                # GradAcc's batches are whole groups: their inputs are in
-                # memory at once, which plain B never has
-                entry['group_input_kib'] = (
-                    entry['B'] * entry['k'] * X[0].nbytes / 2 ** 10)
-                entry['gradacc_minus_plain_B_kib'] = (
-                    entry['gradacc']['train_kib']['median']
-                    - entry['plain_B']['train_kib']['median'])
+        if label != RSS_CONTENDERS[-1]:
+            continue  # the entry is complete
+        for key in ('train_kib', 'activation_bytes'):
+            entry[key + '_vs_plain_B'] = {
+                other: entry[other][key]['median']
+                / entry['plain_B'][key]['median'] for other in RSS_CONTENDERS}
+        # GradAcc's batches are whole groups: their inputs are in memory at
+        # once, which plain B never has
+        X, _ = make_data(name, 2, **cfg.get('module_kwargs', {}))
+        entry['group_input_kib'] = cfg['B'] * k * X[0].nbytes / 2 ** 10
+        entry['gradacc_minus_plain_B_kib'] = (
+            entry['gradacc']['train_kib']['median']
+            - entry['plain_B']['train_kib']['median'])
     return rss
 
 

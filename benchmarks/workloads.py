@@ -32,47 +32,24 @@ from skorch_gradacc.demo import NaiveDivideByK
 __all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
            'make_module', 'make_net']
 
-class MLP(torch.nn.Module):
+def mlp(n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
     """A tabular MLP: two hidden ReLU layers, logits out."""
-
-    def __init__(self, n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
-        super().__init__()
-        self.layers = torch.nn.Sequential(
-            torch.nn.Linear(n_in, n_hidden, dtype=dtype),
-            torch.nn.ReLU(),
-            torch.nn.Linear(n_hidden, n_hidden, dtype=dtype),
-            torch.nn.ReLU(),
-            torch.nn.Linear(n_hidden, n_out, dtype=dtype),
-        )
-
-    def forward(self, X):
-        return self.layers(X)
+    return torch.nn.Sequential(
+        torch.nn.Linear(n_in, n_hidden, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.Linear(n_hidden, n_hidden, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.Linear(n_hidden, n_out, dtype=dtype))
 
 
-class CNN(torch.nn.Module):
+def cnn(in_channels=1, image_size=8, channels=(16, 32), n_hidden=64, n_out=10,
+        dtype=torch.float32):
     """Two 3x3 convolutions, a 2x2 max-pool and a two-layer head."""
-
-    def __init__(self, in_channels=1, image_size=8, channels=(16, 32),
-                 n_hidden=64, n_out=10, dtype=torch.float32):
-        super().__init__()
-        c1, c2 = channels
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-        )
-        n_flat = c2 * (image_size // 2) ** 2
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(n_flat, n_hidden, dtype=dtype),
-            torch.nn.ReLU(),
-            torch.nn.Linear(n_hidden, n_out, dtype=dtype),
-        )
-
-    def forward(self, X):
-        return self.head(self.features(X))
+    c1, c2 = channels
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype),
+        torch.nn.ReLU(), torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype),
+        torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(c2 * (image_size // 2) ** 2, n_hidden, dtype=dtype),
+        torch.nn.ReLU(), torch.nn.Linear(n_hidden, n_out, dtype=dtype))
 
 
 class Transformer(torch.nn.Module):
@@ -101,11 +78,11 @@ class Transformer(torch.nn.Module):
         return self.classifier(hidden.mean(dim=1))
 
 
-WORKLOADS = {'mlp': MLP, 'cnn': CNN, 'transformer': Transformer}
+WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
 
 
 def make_module(name, dtype=torch.float32, **module_kwargs):
-    """Return ``(module class, module kwargs)`` for a skorch net."""
+    """Return ``(module factory, module kwargs)`` for a skorch net."""
     return WORKLOADS[name], dict(module_kwargs, dtype=dtype)
 
 
