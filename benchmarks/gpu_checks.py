@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / 'tests'
 sys.path[:0] = [str(ROOT), str(TESTS)]
 
-from skorch import NeuralNet, NeuralNetClassifier  # noqa: E402
+from skorch import NeuralNetClassifier  # noqa: E402
 
 from skorch_gradacc import (  # noqa: E402
     GradAccNeuralNet,
@@ -151,21 +151,14 @@ def check_auto_oom(device, dry):
 def check_lm_memory(device, dry):
     """Peak GPU memory of a language model's head: plain at ``B``, GradAcc
     ``(B, k)``, plain at ``B * k``."""
-    from benchmarks.stream_memory import MODELS, build
-    batch_size, acc_steps, rows = MODELS['lm_tokens']
-    rows = rows if not dry else batch_size * 4
+    from benchmarks.stream_memory import MODELS, make_net
+    B, k, rows = MODELS['lm_tokens']
     peaks = {}
-    for name, cls, size, k in (('plain B', NeuralNet, batch_size, None),
-                               ('GradAcc', GradAccNeuralNet, batch_size,
-                                acc_steps),
-                               ('plain B*k', NeuralNet,
-                                batch_size * acc_steps, None)):
-        module, criterion, X, y = build('lm_tokens', rows)
-        extra = {} if k is None else {'acc_steps': k}
-        net = cls(module, criterion=criterion, batch_size=size, max_epochs=1,
-                  train_split=None, verbose=0, device=device, **extra)
+    for name, kind, size in (('plain B', 'plain', B), ('GradAcc', 'gradacc', B),
+                             ('plain B*k', 'plain', B * k)):
         torch.manual_seed(0)
-        net.initialize()
+        net, X, y = make_net('lm_tokens', kind, size, k,
+                             rows if not dry else B * 4, device=device)
         if not dry:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -174,7 +167,7 @@ def check_lm_memory(device, dry):
         if not dry:
             torch.cuda.synchronize()
             peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
-        del net, module
+        del net
     if dry:
         raise NotRun('needs a GPU for torch.cuda.max_memory_allocated')
     assert peaks['GradAcc'] < peaks['plain B*k'] / 2, peaks

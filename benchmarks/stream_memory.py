@@ -39,7 +39,7 @@ from skorch.callbacks import EpochScoring
 from benchmarks.harness import fresh_process, provenance, save, train_peak_kib
 from skorch_gradacc import GradAccNeuralNet
 
-__all__ = ['MODELS', 'build', 'measure', 'main']
+__all__ = ['MODELS', 'build', 'make_net', 'measure', 'main']
 
 #: name: (B, k, rows)
 MODELS = {'lm_tokens': (8, 32, 512), 'lm_last': (8, 32, 512),
@@ -95,18 +95,23 @@ def build(name, rows):
         torch.nn.Linear(512, classes)), torch.nn.CrossEntropyLoss, X, y
 
 
-def _train_kib(name, kind, batch_size, acc_steps, rows):
+def make_net(name, kind, batch_size, acc_steps, rows, **kwargs):
+    """Return ``(net, X, y)``: plain skorch (``kind='plain'``) or
+    ``GradAccNeuralNet`` (``'gradacc'``) on a model, initialized."""
     module, criterion, X, y = build(name, rows)
-    callbacks = [EpochScoring(token_accuracy, on_train=True, name='train_acc')
-                 ] if name == 'lm_train_acc' else []
-    kwargs = dict(criterion=criterion, max_epochs=1, train_split=None,
+    kwargs.update(criterion=criterion, max_epochs=1, train_split=None,
                   verbose=0, lr=0.01, optimizer=torch.optim.SGD,
-                  callbacks=callbacks, batch_size=batch_size)
+                  batch_size=batch_size, callbacks=[EpochScoring(
+                      token_accuracy, on_train=True, name='train_acc')]
+                  if name == 'lm_train_acc' else [])
     if kind == 'gradacc':
-        net = GradAccNeuralNet(module, acc_steps=acc_steps, **kwargs)
-    else:
-        net = NeuralNet(module, **kwargs)
-    return train_peak_kib(net.initialize(), X, y)
+        return GradAccNeuralNet(module, acc_steps=acc_steps, **kwargs
+                                ).initialize(), X, y
+    return NeuralNet(module, **kwargs).initialize(), X, y
+
+
+def _train_kib(*args):
+    return train_peak_kib(*make_net(*args))
 
 
 def measure(name, kind, batch_size, acc_steps=1, rows=None):
