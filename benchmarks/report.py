@@ -18,82 +18,75 @@ RECIPES = {'gradacc': 'GradAcc', 'faq': 'FAQ recipe',
 MALLOCS = {'fixed': 'fixed mmap threshold', 'default': 'glibc defaults'}
 
 
-def _target(id_, target, measured, met):
-    return {'id': id_, 'target': target, 'measured': measured,
-            'met': bool(met)}
+def _listed(items, fmt):
+    return ', '.join(fmt.format(*item) for item in items)
 
 
 def evaluate_targets(results):
     """The targets, the measured values (text), and whether each is met."""
     targets = []
+
+    def target(id_, text, measured, met):
+        targets.append({'id': id_, 'target': text, 'measured': measured,
+                        'met': bool(met)})
+
     overhead, exactness = results.get('overhead'), results.get('exactness')
     memory, scaling = results.get('memory'), results.get('scaling')
     if overhead:
-        by_plain = {model: entry['ratios']['cpu']['plain_B']
-                    for model, entry in overhead.items()}
-        ratios = {model: r['gradacc']['median'] for model, r in by_plain.items()}
-        targets.append(_target(
-            'overhead', 'GradAcc (B, k) <= {:.2f}x plain skorch at B, per '
-            'epoch (median CPU time)'.format(OVERHEAD_TARGET),
-            ', '.join('{} {:.3f}x'.format(LABELS[m], r)
-                      for m, r in ratios.items()),
-            max(ratios.values()) <= OVERHEAD_TARGET))
-        parts = ['{} {:.3f}x (A/A noise {:.3f}-{:.3f})'.format(
-            LABELS[m], r['gradacc_k1']['median'], r['plain_B_again']['min'],
-            r['plain_B_again']['max']) for m, r in by_plain.items()]
-        met = all(r['plain_B_again']['min'] <= r['gradacc_k1']['median']
-                  <= r['plain_B_again']['max'] for r in by_plain.values())
+        by_plain = {LABELS[m]: e['ratios']['cpu']['plain_B']
+                    for m, e in overhead.items()}
+        ratios = [(m, r['gradacc']['median']) for m, r in by_plain.items()]
+        target('overhead', 'GradAcc (B, k) <= {:.2f}x plain skorch at B, per '
+               'epoch (median CPU time)'.format(OVERHEAD_TARGET),
+               _listed(ratios, '{} {:.3f}x'),
+               max(r for _, r in ratios) <= OVERHEAD_TARGET)
+        noise = [(m, r['gradacc_k1']['median'], r['plain_B_again']['min'],
+                  r['plain_B_again']['max']) for m, r in by_plain.items()]
+        measured = _listed(noise, '{} {:.3f}x (A/A noise {:.3f}-{:.3f})'
+                           ).replace(', ', '; ')
+        met = all(low <= ratio <= high for _, ratio, low, high in noise)
         if exactness:
-            worst = max(entry['gradacc']['control_k1_max_param_diff']
-                        for entry in exactness.values())
+            worst = max(e['gradacc']['control_k1_max_param_diff']
+                        for e in exactness.values())
             met = met and worst == 0.0
-            parts.append('parameters bit for bit equal: {}'.format(
-                'yes' if worst == 0.0 else 'no ({:.1e})'.format(worst)))
-        targets.append(_target(
-            'acc_steps_1', 'acc_steps=1 indistinguishable from plain skorch: '
-            "its median time ratio within the A/A control's range",
-            '; '.join(parts), met))
+            measured += '; parameters bit for bit equal: {}'.format(
+                'yes' if worst == 0.0 else 'no ({:.1e})'.format(worst))
+        target('acc_steps_1', 'acc_steps=1 indistinguishable from plain '
+               "skorch: its median time ratio within the A/A control's range",
+               measured, met)
     if memory:
-        worst = max((ratio, model, k)
-                    for model, entry in memory['activation'].items()
-                    for k, ratio in zip(entry['ks'], entry['gradacc_vs_plain_B']))
-        targets.append(_target(
-            'memory_activation', 'GradAcc activation memory within {:.0f}% of '
-            'plain B, any k'.format(100 * (MEMORY_TARGET - 1)),
-            'worst {:.3f}x ({}, k={})'.format(worst[0], LABELS[worst[1]],
-                                              worst[2]),
-            worst[0] <= MEMORY_TARGET))
+        worst = max((ratio, LABELS[m], k) for m, e in memory['activation'].items()
+                    for k, ratio in zip(e['ks'], e['gradacc_vs_plain_B']))
+        target('memory_activation', 'GradAcc activation memory within {:.0f}% '
+               'of plain B, any k'.format(100 * (MEMORY_TARGET - 1)),
+               'worst {:.3f}x ({}, k={})'.format(*worst),
+               worst[0] <= MEMORY_TARGET)
         for malloc, entries in memory['rss'].items():
-            cases = [(entry['train_kib_vs_plain_B']['gradacc'], model, k)
-                     for model, by_k in entries.items()
-                     for k, entry in by_k.items()]
-            targets.append(_target(
-                'memory_rss_' + malloc, 'GradAcc peak RSS growth within {:.0f}% '
-                'of plain B ({})'.format(100 * (MEMORY_TARGET - 1),
-                                         MALLOCS[malloc]),
-                ', '.join('{} k={} {:.2f}x'.format(LABELS[model], k, ratio)
-                          for ratio, model, k in cases),
-                max(cases)[0] <= MEMORY_TARGET))
+            cases = [(LABELS[m], k, e['train_kib_vs_plain_B']['gradacc'])
+                     for m, by_k in entries.items() for k, e in by_k.items()]
+            target('memory_rss_' + malloc, 'GradAcc peak RSS growth within '
+                   '{:.0f}% of plain B ({})'.format(100 * (MEMORY_TARGET - 1),
+                                                    MALLOCS[malloc]),
+                   _listed(cases, '{} k={} {:.2f}x'),
+                   max(c[2] for c in cases) <= MEMORY_TARGET)
     if exactness:
-        diffs = {m: e['gradacc']['max_param_diff'] for m, e in exactness.items()}
-        targets.append(_target(
-            'exactness', 'GradAcc parameters within {:.0e} of the large-batch '
-            'net (float64)'.format(EXACT_TARGET),
-            ', '.join('{} {:.1e}'.format(LABELS[m], d) for m, d in diffs.items()),
-            max(diffs.values()) < EXACT_TARGET))
+        diffs = [(LABELS[m], e['gradacc']['max_param_diff'])
+                 for m, e in exactness.items()]
+        target('exactness', 'GradAcc parameters within {:.0e} of the '
+               'large-batch net (float64)'.format(EXACT_TARGET),
+               _listed(diffs, '{} {:.1e}'),
+               max(d for _, d in diffs) < EXACT_TARGET)
     if scaling:
-        fits = {m: e['gradacc']['step_fit']['r2']
-                for m, e in scaling['by_k'].items()}
-        targets.append(_target(
-            'scaling_k', 'cost per optimizer step linear in k (R^2 >= {})'
-            .format(LINEAR_R2), ', '.join('{} R^2={:.4f}'.format(LABELS[m], r2)
-                                          for m, r2 in fits.items()),
-            min(fits.values()) >= LINEAR_R2))
-        r2 = scaling['by_data']['gradacc']['fit']['r2']
-        targets.append(_target(
-            'scaling_data', 'epoch time linear in the number of samples '
-            '(R^2 >= {})'.format(LINEAR_R2), '{} R^2={:.4f}'.format(
-                LABELS[scaling['by_data']['model']], r2), r2 >= LINEAR_R2))
+        fits = [(LABELS[m], e['gradacc']['step_fit']['r2'])
+                for m, e in scaling['by_k'].items()]
+        target('scaling_k', 'cost per optimizer step linear in k (R^2 >= {})'
+               .format(LINEAR_R2), _listed(fits, '{} R^2={:.4f}'),
+               min(r2 for _, r2 in fits) >= LINEAR_R2)
+        fit = [(LABELS[scaling['by_data']['model']],
+                scaling['by_data']['gradacc']['fit']['r2'])]
+        target('scaling_data', 'epoch time linear in the number of samples '
+               '(R^2 >= {})'.format(LINEAR_R2), _listed(fit, '{} R^2={:.4f}'),
+               fit[0][1] >= LINEAR_R2)
     return targets
 
 
