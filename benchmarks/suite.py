@@ -1,11 +1,6 @@
-"""The sections of ``benchmarks.run``: each returns a JSON-able dict.
-
-* :func:`overhead`: time per epoch of every contender, interleaved.
-* :func:`memory`: activation memory as ``k`` grows, and peak RSS.
-* :func:`exactness`: parameter distance to the large-batch net, float64.
-* :func:`scaling`: cost as ``k`` grows and as the data grow.
-* :func:`profile`: where a ``GradAccNeuralNetClassifier`` epoch spends time.
-"""
+"""The sections of ``benchmarks.run``: :func:`overhead`, :func:`memory`,
+:func:`exactness`, :func:`scaling` and :func:`profile`; each returns a
+JSON-able dict."""
 
 import cProfile
 import functools
