@@ -1,6 +1,7 @@
 """Benchmarks of skorch-gradacc: overhead, memory, exactness and scaling.
 
-Run everything with ``python -m benchmarks.run --out benchmarks/results``
-(``--help`` lists the options, ``--quick`` is a smoke run of a few seconds).
-The results and the discussion are in ``docs/benchmarks.rst``.
+``python -m benchmarks.run``, ``benchmarks.stream_memory`` and
+``benchmarks.fsdp_memory`` (``--help`` lists the options) all measure with
+:mod:`benchmarks.harness`. The results and the discussion are in
+``docs/benchmarks.rst``.
 """

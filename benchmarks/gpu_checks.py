@@ -4,28 +4,19 @@ Usage, from the repository root, on a machine with a GPU::
 
     PYTHONPATH=$PWD python benchmarks/gpu_checks.py
 
-It has not yet run on a GPU, so how long it takes is not known. It runs:
-
-* ``cuda tests``: the tests marked ``cuda`` or named for CUDA
-  (``pytest -k cuda`` over the test files that mention CUDA);
-* ``fp16`` and ``bf16``: ``mixed_precision`` against full precision on
-  the GPU, the relative difference of the training losses;
-* ``auto OOM``: ``micro_batch_size='auto'`` under a memory cap of 1 GiB
-  (a real CUDA out-of-memory error), float64, against plain skorch at the
-  whole batch, within ``1e-10``;
-* ``LM memory``: ``torch.cuda.max_memory_allocated`` of a language
-  model's head (logits the largest tensor) trained by plain skorch at the
-  micro-batch ``B``, by ``GradAccNeuralNet(B, k)`` and by plain skorch at
-  ``B * k``;
-* ``NCCL, world size 1``: ``torchrun --nproc_per_node 1`` with NCCL
-  against the single process, within ``1e-10``;
-* ``sync-free step``: one GradAcc step whose ``count_loss_items`` returns
-  a tensor on the GPU, under ``torch.cuda.set_sync_debug_mode('error')``.
-
+It has not yet run on a GPU, so how long it takes is not known. The
+checks: the tests marked ``cuda`` or named for CUDA; ``fp16`` and
+``bf16`` against full precision (relative loss difference);
+``micro_batch_size='auto'`` after a real CUDA out-of-memory error (1 GiB
+cap), float64, within ``1e-10`` of plain skorch; a language model head's
+``torch.cuda.max_memory_allocated`` as plain skorch at ``B``,
+``GradAccNeuralNet(B, k)`` and plain skorch at ``B * k``; ``torchrun`` with
+NCCL and one rank against the single process, within ``1e-10``; and one
+step with tensor item counts under ``torch.cuda.set_sync_debug_mode('error')``.
 With ``--dry-run`` (or without a GPU) the same code runs on the CPU, small,
-where it can: the checks that need a GPU report ``not run``.
-``tests/test_distributed.py`` runs the dry run, so that the script does
-not rot. The exit status is 1 if a check failed.
+where it can; the rest reports ``not run``. ``tests/test_distributed.py``
+runs the dry run, so that the script does not rot. The exit status is 1 if
+a check failed.
 """
 
 import argparse
@@ -44,12 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / 'tests'
 sys.path[:0] = [str(ROOT), str(TESTS)]
 
-from skorch import NeuralNet, NeuralNetClassifier  # noqa: E402
+from skorch import NeuralNetClassifier  # noqa: E402
 
 from skorch_gradacc import (  # noqa: E402
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
 )
+from skorch_gradacc.demo import max_param_diff  # noqa: E402
 from skorch_gradacc.grouping import MicroBatchGroups  # noqa: E402
 
 __all__ = ['CHECKS', 'main']
@@ -146,8 +138,7 @@ def check_auto_oom(device, dry):
             torch.cuda.empty_cache()
     torch.manual_seed(0)
     plain = NeuralNetClassifier(**wide, **kwargs).fit(X, y)
-    diff = max((p - q).abs().max().item() for p, q in zip(
-        net.module_.parameters(), plain.module_.parameters()))
+    diff = max_param_diff(net, plain)
     assert diff <= 1e-10, diff
     if dry:
         raise NotRun('needs a GPU for a real out-of-memory error; ran '
@@ -161,21 +152,14 @@ def check_auto_oom(device, dry):
 def check_lm_memory(device, dry):
     """Peak GPU memory of a language model's head: plain at ``B``, GradAcc
     ``(B, k)``, plain at ``B * k``."""
-    from benchmarks.stream_memory import MODELS, _build
-    batch_size, acc_steps, rows = MODELS['lm_tokens']
-    rows = rows if not dry else batch_size * 4
+    from benchmarks.stream_memory import MODELS, make_net
+    B, k, rows = MODELS['lm_tokens']
     peaks = {}
-    for name, cls, size, k in (('plain B', NeuralNet, batch_size, None),
-                               ('GradAcc', GradAccNeuralNet, batch_size,
-                                acc_steps),
-                               ('plain B*k', NeuralNet,
-                                batch_size * acc_steps, None)):
-        module, criterion, X, y = _build('lm_tokens', rows)
-        extra = {} if k is None else {'acc_steps': k}
-        net = cls(module, criterion=criterion, batch_size=size, max_epochs=1,
-                  train_split=None, verbose=0, device=device, **extra)
+    for name, kind, size in (('plain B', 'plain', B), ('GradAcc', 'gradacc', B),
+                             ('plain B*k', 'plain', B * k)):
         torch.manual_seed(0)
-        net.initialize()
+        net, X, y = make_net('lm_tokens', kind, size, k,
+                             rows if not dry else B * 4, device=device)
         if not dry:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -184,7 +168,7 @@ def check_lm_memory(device, dry):
         if not dry:
             torch.cuda.synchronize()
             peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
-        del net, module
+        del net
     if dry:
         raise NotRun('needs a GPU for torch.cuda.max_memory_allocated')
     assert peaks['GradAcc'] < peaks['plain B*k'] / 2, peaks

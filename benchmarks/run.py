@@ -5,18 +5,15 @@ Usage, from the repository root::
     python -m benchmarks.run --out benchmark_results
 
 ``--quick`` runs everything at tiny sizes in well under a minute (a smoke
-test, not a measurement); ``--sections`` runs only some sections. The full
-run takes about ten minutes on two cores. It writes ``benchmarks.json`` (all
-numbers, every round), ``benchmarks.md`` (the tables) and
-``benchmarks.png`` (the plots) into ``--out``.
+test, not a measurement); ``--sections`` runs only some sections. It writes
+``benchmarks.json`` (all numbers, every round, and the run's provenance),
+``benchmarks.md`` (the tables) and ``benchmarks.png`` (the plots) into
+``--out``. ``docs/benchmarks.rst`` says how long the committed run took.
 """
 
 import argparse
-import datetime
-import json
+import copy
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,128 +21,87 @@ from pathlib import Path
 import torch
 
 from benchmarks import report, suite
-from benchmarks.memory import rss_context
+from benchmarks.harness import provenance, save
 from skorch_gradacc.demo import positive_int
 
 __all__ = ['FULL', 'QUICK', 'main']
 
 SECTIONS = ('overhead', 'memory', 'exactness', 'scaling', 'profile')
 
-#: Sizes of the full run. ``models`` are the timing workloads: ``n`` rows,
-#: micro-batch ``B``, ``k`` micro-batches per step.
+#: Sizes of the full run: the keyword arguments of each section's function
+#: in :mod:`benchmarks.suite`. ``models`` are the timing workloads: ``n``
+#: rows, micro-batch ``B``, ``k`` micro-batches per step.
+MODELS = {'mlp': {'n': 2048, 'B': 32, 'k': 8}, 'cnn': {'n': 512, 'B': 16, 'k': 8},
+          'transformer': {'n': 384, 'B': 16, 'k': 8}}
 FULL = {
-    'models': {
-        'mlp': {'n': 2048, 'B': 32, 'k': 8},
-        'cnn': {'n': 512, 'B': 16, 'k': 8},
-        'transformer': {'n': 384, 'B': 16, 'k': 8},
-    },
-    'overhead': {'rounds': 25, 'warmup': 1},
+    'overhead': {'models': MODELS, 'rounds': 25, 'warmup': 1},
     'memory': {
-        'ks': [1, 2, 4, 8, 16, 32, 64],
-        'repeats': 3,
+        'models': MODELS, 'ks': [1, 2, 4, 8, 16, 32, 64], 'repeats': 3,
         # sized so that activations, not parameters, dominate
         'rss_models': {
             'mlp': {'B': 256, 'ks': [8], 'module_kwargs': {'n_hidden': 512}},
             'cnn': {'B': 16, 'ks': [4, 16, 64],
                     'module_kwargs': {'in_channels': 3, 'image_size': 16}},
             'transformer': {'B': 16, 'ks': [8],
-                            'module_kwargs': {'seq_len': 64}},
-        },
-        'rss_repeats': 3,
-        'rss_malloc': ['fixed', 'default'],
-    },
-    'exactness': {
-        'epochs': 3,
-        # sizes that leave a short last micro-batch and a partial last group
-        'models': {
-            'mlp': {'n': 1003, 'B': 16, 'k': 4},
-            'cnn': {'n': 1003, 'B': 16, 'k': 4},
-            'transformer': {'n': 251, 'B': 8, 'k': 4},
-        },
-    },
+                            'module_kwargs': {'seq_len': 64}}},
+        'rss_repeats': 3, 'rss_malloc': ['fixed', 'default']},
+    # sizes that leave a short last micro-batch and a partial last group
+    'exactness': {'epochs': 3, 'models': {
+        'mlp': {'n': 1003, 'B': 16, 'k': 4}, 'cnn': {'n': 1003, 'B': 16, 'k': 4},
+        'transformer': {'n': 251, 'B': 8, 'k': 4}}},
     'scaling': {
-        'ks': [1, 2, 4, 8, 16, 32, 64],
-        'rounds': 5,
+        'ks': [1, 2, 4, 8, 16, 32, 64], 'rounds': 5,
         # 64 micro-batches per epoch: one group at k=64
-        'k_models': {
-            'mlp': {'n': 2048, 'B': 32},
-            'cnn': {'n': 1024, 'B': 16},
-            'transformer': {'n': 512, 'B': 8},
-        },
+        'k_models': {'mlp': {'n': 2048, 'B': 32}, 'cnn': {'n': 1024, 'B': 16},
+                     'transformer': {'n': 512, 'B': 8}},
         'data': {'model': 'mlp', 'B': 32, 'k': 8,
-                 'ns': [512, 1024, 2048, 4096, 8192]},
-    },
-    'profile': {'model': 'mlp', 'top': 15},
+                 'ns': [512, 1024, 2048, 4096, 8192]}},
+    'profile': {'name': 'mlp', 'cfg': MODELS['mlp'], 'top': 15},
 }
 
 #: Tiny sizes for a smoke run: every code path, no meaningful numbers.
+TINY = {'mlp': {'n_hidden': 32}, 'cnn': {},
+        'transformer': {'seq_len': 8, 'd_model': 16, 'n_layers': 1}}
+TINY_MODELS = {name: {'n': n, 'B': B, 'k': 4, 'module_kwargs': TINY[name]}
+               for name, n, B in (('mlp', 64, 8), ('cnn', 32, 4),
+                                  ('transformer', 32, 4))}
 QUICK = {
-    'models': {
-        'mlp': {'n': 64, 'B': 8, 'k': 4, 'module_kwargs': {'n_hidden': 32}},
-        'cnn': {'n': 32, 'B': 4, 'k': 4},
-        'transformer': {'n': 32, 'B': 4, 'k': 4,
-                        'module_kwargs': {'seq_len': 8, 'd_model': 16,
-                                          'n_layers': 1}},
-    },
-    'overhead': {'rounds': 2, 'warmup': 0},
-    'memory': {
-        'ks': [1, 2, 4],
-        'repeats': 1,
-        'rss_models': {
-            'mlp': {'B': 16, 'ks': [4], 'module_kwargs': {'n_hidden': 32}},
-        },
-        'rss_repeats': 1,
-        'rss_malloc': ['fixed'],
-    },
-    'exactness': {
-        'epochs': 2,
-        'models': {
-            'mlp': {'n': 43, 'B': 4, 'k': 4, 'module_kwargs': {'n_hidden': 32}},
-            'cnn': {'n': 43, 'B': 4, 'k': 4},
-            'transformer': {'n': 27, 'B': 2, 'k': 4,
-                            'module_kwargs': {'seq_len': 8, 'd_model': 16,
-                                              'n_layers': 1}},
-        },
-    },
-    'scaling': {
-        'ks': [1, 2, 4],
-        'rounds': 1,
-        'k_models': {
-            'mlp': {'n': 32, 'B': 8, 'module_kwargs': {'n_hidden': 32}},
-        },
-        'data': {'model': 'mlp', 'B': 8, 'k': 2, 'ns': [16, 32, 64],
-                 'module_kwargs': {'n_hidden': 32}},
-    },
-    'profile': {'model': 'mlp', 'top': 5},
+    'overhead': {'models': TINY_MODELS, 'rounds': 2, 'warmup': 0},
+    'memory': {'models': TINY_MODELS, 'ks': [1, 2, 4], 'repeats': 1,
+               'rss_models': {'mlp': {'B': 16, 'ks': [4],
+                                      'module_kwargs': TINY['mlp']}},
+               'rss_repeats': 1, 'rss_malloc': ['fixed']},
+    'exactness': {'epochs': 2, 'models': {
+        name: {'n': n, 'B': B, 'k': 4, 'module_kwargs': TINY[name]}
+        for name, n, B in (('mlp', 43, 4), ('cnn', 43, 4),
+                           ('transformer', 27, 2))}},
+    'scaling': {'ks': [1, 2, 4], 'rounds': 1,
+                'k_models': {'mlp': {'n': 32, 'B': 8,
+                                     'module_kwargs': TINY['mlp']}},
+                'data': {'model': 'mlp', 'B': 8, 'k': 2, 'ns': [16, 32, 64],
+                         'module_kwargs': TINY['mlp']}},
+    'profile': {'name': 'mlp', 'cfg': TINY_MODELS['mlp'], 'top': 5},
 }
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.run',
-        description=(
+        prog='python -m benchmarks.run', description=(
             'Benchmark GradAccNeuralNetClassifier against plain skorch, '
             "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
             'overhead, memory, exactness and scaling.'))
-    parser.add_argument(
-        '--out', default='benchmark_results', metavar='DIR',
-        help='folder for benchmarks.json, .md and .png (default: '
-             'benchmark_results; the committed run is in benchmarks/results)')
-    parser.add_argument(
-        '--quick', action='store_true',
-        help='tiny sizes: a smoke run of the whole suite, no real numbers')
-    parser.add_argument(
-        '--sections', default=','.join(SECTIONS),
-        help='comma-separated subset of {} (default: all)'.format(
-            ','.join(SECTIONS)))
-    parser.add_argument(
-        '--rounds', type=positive_int, default=None,
-        help='timed rounds per comparison (default: 25 for the overhead, 5 '
-             'for scaling; quick: 2 and 1)')
-    parser.add_argument(
-        '--threads', type=positive_int, default=1,
-        help='torch intra-op threads (default: 1, the steadiest on a '
-             'shared machine)')
+    parser.add_argument('--out', default='benchmark_results', metavar='DIR',
+                        help='folder for the results (default: '
+                             'benchmark_results; the committed run is in '
+                             'benchmarks/results)')
+    parser.add_argument('--quick', action='store_true',
+                        help='tiny sizes: a smoke run, no real numbers')
+    parser.add_argument('--sections', default=','.join(SECTIONS),
+                        help='comma-separated subset of {} (default: all)'
+                        .format(','.join(SECTIONS)))
+    parser.add_argument('--rounds', type=positive_int, default=None,
+                        help='timed rounds of the overhead and the scaling '
+                             '(default: 25 and 5; quick: 2 and 1)')
     args = parser.parse_args(argv)
     args.sections = [name.strip() for name in args.sections.split(',') if name]
     unknown = sorted(set(args.sections) - set(SECTIONS))
@@ -154,114 +110,25 @@ def parse_args(argv=None):
     return args
 
 
-def _cpu_model():
-    try:
-        with open('/proc/cpuinfo') as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or 'unknown'
-
-
-def _git_commit():
-    try:
-        return subprocess.run(
-            ['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
-            text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _package_state():
-    """Where skorch_gradacc was imported from, and whether its files differ
-    from the commit (a benchmark of modified code says so)."""
-    import skorch_gradacc
-
-    folder = Path(skorch_gradacc.__file__).parent
-    try:
-        diff = subprocess.run(
-            ['git', 'status', '--porcelain', '--', '.'], capture_output=True,
-            text=True, check=True, cwd=folder).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        diff = None
-    return {'path': str(folder),
-            'modified': None if diff is None else bool(diff)}
-
-
-def _version(name):
-    try:
-        module = __import__(name)
-    except ImportError:
-        return None
-    return getattr(module, '__version__', None)
-
-
-def machine_info(args):
-    return {
-        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec='seconds'),
-        'command': 'python -m benchmarks.run ' + ' '.join(args.argv),
-        'git_commit': _git_commit(),
-        'cpu': _cpu_model(),
-        'cpu_count': os.cpu_count(),
-        'torch_threads': torch.get_num_threads(),
-        'platform': platform.platform(),
-        'python': platform.python_version(),
-        'versions': {name: _version(name) for name in (
-            'torch', 'skorch', 'accelerate', 'numpy', 'sklearn',
-            'skorch_gradacc')},
-        'skorch_gradacc': _package_state(),
-    }
-
-
 def run(args):
     """Run the sections that ``args`` asks for; return the results."""
+    config = copy.deepcopy(QUICK if args.quick else FULL)
+    if args.rounds:
+        config['overhead']['rounds'] = config['scaling']['rounds'] = args.rounds
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # the steadiest on a shared machine
+    meta = provenance('benchmarks.run', args.argv)
+    meta.update(torch_threads=1, load_average_start=meta.pop('load_average'))
+    results = {'meta': meta, 'quick': args.quick, 'config': config,
+               'seconds': {}}
     try:
-        return _run(args, QUICK if args.quick else FULL)
+        for name in args.sections:
+            print('running {} ...'.format(name), file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            results[name] = getattr(suite, name)(**config[name])
+            results['seconds'][name] = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)  # leave the process as it was
-
-
-def _run(args, config):
-    rounds = args.rounds or config['overhead']['rounds']
-    results = {'meta': machine_info(args), 'quick': args.quick,
-               'config': config, 'seconds': {}}
-    results['meta']['load_average_start'] = os.getloadavg()
-    if 'memory' in args.sections and any(
-            config['memory']['rss_models'].values()):
-        rss_context()  # its server imports torch in the background meanwhile
-    steps = {
-        'overhead': lambda: suite.overhead(
-            config['models'], rounds, warmup=config['overhead']['warmup']),
-        'memory': lambda: suite.memory(
-            config['models'], config['memory']['ks'],
-            config['memory']['repeats'], config['memory']['rss_models'],
-            config['memory']['rss_repeats'], config['memory']['rss_malloc'],
-            threads=args.threads),
-        'exactness': lambda: suite.exactness(
-            config['exactness']['models'], config['exactness']['epochs']),
-        'scaling': lambda: suite.scaling(
-            config['scaling']['k_models'], config['scaling']['ks'],
-            config['scaling']['data'],
-            args.rounds or config['scaling']['rounds']),
-        'profile': lambda: suite.profile(
-            config['profile']['model'],
-            config['models'][config['profile']['model']],
-            top=config['profile']['top']),
-    }
-    for name in SECTIONS:
-        if name not in args.sections:
-            continue
-        print('running {} ...'.format(name), file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        results[name] = steps[name]()
-        results['seconds'][name] = time.perf_counter() - start
-        print('  {} done in {:.0f} s'.format(name, results['seconds'][name]),
-              file=sys.stderr, flush=True)
     results['meta']['load_average_end'] = os.getloadavg()
     results['targets'] = report.evaluate_targets(results)
     return results
@@ -274,17 +141,11 @@ def main(argv=None):
     args.argv = argv
     results = run(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        'json': out / 'benchmarks.json',
-        'md': out / 'benchmarks.md',
-        'png': out / 'benchmarks.png',
-    }
-    paths['json'].write_text(json.dumps(results, indent=1) + '\n')
-    paths['md'].write_text(report.markdown(results))
-    report.plot(results, paths['png'])
-    for path in paths.values():
-        print(path)
+    paths = save(out, 'benchmarks', results) + [out / 'benchmarks.md',
+                                                 out / 'benchmarks.png']
+    paths[1].write_text(report.markdown(results))
+    report.plot(results, paths[2])
+    print(*paths, sep='\n')
     return 0
 
 

@@ -31,7 +31,7 @@ from skorch.callbacks import Callback, ProgressBar
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.activation_memory import track_activation_memory
 
-__all__ = ['main']
+__all__ = ['main', 'max_param_diff']
 
 TOLERANCE = 1e-10
 
@@ -231,10 +231,35 @@ def train(label, net, X, y, repeats=1):
     }
 
 
-def max_param_diff(net, reference):
-    state = reference.module_.state_dict()
-    return max((value - state[key]).abs().max().item()
-               for key, value in net.module_.state_dict().items())
+def max_param_diff(model, reference):
+    """Return the largest absolute difference between two models' states.
+
+    The exactness check of the demo and of the benchmarks.
+
+    Parameters
+    ----------
+    model, reference : skorch.NeuralNet, torch.nn.Module or dict
+      Two nets, modules or state dicts with the same keys; a net's
+      ``module_`` is compared. Buffers count as well as parameters.
+
+    Returns
+    -------
+    float
+      ``max |model[key] - reference[key]|`` over all entries and keys.
+
+    Examples
+    --------
+    >>> import torch
+    >>> module = torch.nn.Linear(2, 1)
+    >>> max_param_diff(module, module.state_dict())
+    0.0
+
+    """
+    model, reference = (
+        getattr(value, 'module_', value) for value in (model, reference))
+    state = getattr(reference, 'state_dict', lambda: reference)()
+    return max((value - state[key]).abs().max().item() for key, value
+               in getattr(model, 'state_dict', lambda: model)().items())
 
 
 def run(args, X, y):
@@ -282,8 +307,7 @@ def param_distances(result, reference):
       of ``result`` and the same parameter of ``reference``.
 
     """
-    return [max((value - ref[key]).abs().max().item()
-                for key, value in params.items())
+    return [max_param_diff(params, ref)
             for params, ref in zip(result['params'], reference['params'])]
 
 

@@ -58,6 +58,7 @@ class TestOutputs:
             assert results['seconds'][section] >= 0
         meta = results['meta']
         assert meta['command'].startswith('python -m benchmarks.run --quick')
+        assert meta['git_commit']
         assert meta['versions']['torch']
         assert meta['torch_threads'] == 1
 
@@ -153,7 +154,7 @@ class TestMemory:
             for entry in by_k.values():
                 for label in RSS_CONTENDERS:
                     assert_summary(entry[label]['train_kib'], entry['repeats'])
-                    assert entry[label]['peak_kib']['min'] > 0
+                    assert entry[label]['train_kib']['min'] > 0
                 assert entry['group_input_kib'] > 0
 
 
@@ -165,3 +166,74 @@ class TestScaling:
         assert 0 <= by_k['gradacc']['step_fit']['r2'] <= 1 + 1e-9
         by_data = results['scaling']['by_data']
         assert len(by_data['gradacc']['epoch_cpu_s']) == len(by_data['ns'])
+
+
+# ------------------------------------------- the docs quote the committed runs
+
+RESULTS = ROOT / 'benchmarks' / 'results'
+PAGE = ROOT / 'docs' / 'benchmarks.rst'
+
+
+def _span(values, fmt):
+    low, high = (fmt.format(value).replace('e-0', 'e-')
+                 for value in (min(values), max(values)))
+    return low if low == high else '{} to {}'.format(low, high)
+
+
+def quoted_results():
+    """The fragments of docs/benchmarks.rst that quote the committed results,
+    computed from the files in benchmarks/results."""
+    run, stream, fsdp = (json.loads((RESULTS / name).read_text()) for name in (
+        'benchmarks.json', 'stream_memory.json', 'fsdp_memory.json'))
+    commits = {result['meta']['git_commit'] for result in (run, stream, fsdp)}
+    assert len(commits) == 1, commits  # one commit's code made every table
+    assert not any(result['meta']['skorch_gradacc']['modified']
+                   for result in (run, stream, fsdp))
+    ratios = {model: entry['ratios']['cpu']['plain_B']
+              for model, entry in run['overhead'].items()}
+    exact = run['exactness']
+    diffs = {kind: [entry[kind]['max_param_diff'] for entry in exact.values()]
+             for kind in ('gradacc', 'accumgrad', 'faq', 'accelerate', 'naive')}
+    rss = run['memory']['rss']
+    gradacc_rss = {malloc: [entry['train_kib_vs_plain_B']['gradacc']
+                            for by_k in rss[malloc].values()
+                            for entry in by_k.values()] for malloc in rss}
+    over = [row['gradacc'] - row['plain_B'] for row in stream['models'].values()
+            if row['gradacc'] > row['plain_B']]
+    return [
+        'commit ``{}``'.format(commits.pop()),
+        '{:.2f}x (MLP), {:.2f}x (CNN) and {:.2f}x (transformer)'.format(
+            *(ratios[model]['gradacc']['median'] for model in ratios)),
+        '({:.2f}x for the MLP)'.format(ratios['mlp']['plain_Bk']['median']),
+        '``acc_steps=1``, {:.3f}x, {:.3f}x and {:.3f}x'.format(
+            *(ratios[model]['gradacc_k1']['median'] for model in ratios)),
+        'within {} of the large-batch'.format(
+            _span([max(diffs['gradacc'] + diffs['accumgrad'])], '{:.1e}')),
+        "FAQ recipe {}, Accelerate's accumulation {}, and ``loss / k`` {} "
+        'away'.format(*(_span(diffs[kind], '{:.1e}') for kind in (
+            'faq', 'accelerate', 'naive'))),
+        'R² ≥ {:.4f}'.format(min(entry['gradacc']['step_fit']['r2'] for entry
+                                 in run['scaling']['by_k'].values())),
+        "``B``'s for every ``k`` up to {}: {:.3f}x".format(
+            max(run['config']['memory']['ks']),
+            max(max(entry['gradacc_vs_plain_B'])
+                for entry in run['memory']['activation'].values())),
+        "{} of plain ``B``'s".format(_span(gradacc_rss['fixed'], '{:.2f}x')),
+        "with glibc's defaults, {}".format(
+            _span(gradacc_rss['default'], '{:.2f}x')),
+        'GradAcc stays within {} of plain skorch at the micro-batch'.format(
+            _span([row['ratio'] for row in stream['models'].values()],
+                  '{:.2f}x')),
+        'above it by {} MiB'.format(_span(over, '{:.1f}')),
+        'in about {:.0f} minutes'.format(sum(run['seconds'].values()) / 60),
+        'the training peak per rank is {:.0f} MiB with FSDP ({:.0f} MiB with '
+        '``sync_each_batch=True``) against {:.0f} MiB with DDP'.format(*(
+            max(rank['train_peak'] for rank in fsdp[config])
+            for config in ('fsdp', 'fsdp_each', 'ddp'))),
+    ]
+
+
+def test_docs_quote_the_committed_results():
+    page = ' '.join(PAGE.read_text().split())
+    missing = [text for text in quoted_results() if text not in page]
+    assert not missing, missing

@@ -70,12 +70,13 @@ def test_readme_test_command_is_what_ci_runs():
 
 
 def test_benchmark_commands_keep_the_committed_results():
-    from benchmarks import run
-    assert run.parse_args([]).out != 'benchmarks/results'
-    for path in (README, DOCS / 'benchmarks.rst'):
+    from benchmarks import fsdp_memory, run, stream_memory
+    for module in (run, stream_memory, fsdp_memory):
+        assert module.parse_args([]).out == 'benchmark_results', module
+    for path, count in ((README, 2), (DOCS / 'benchmarks.rst', 3)):
         commands = re.findall(r'^ *(python -m benchmarks\.\S+ .*)$',
                               path.read_text(), re.M)
-        assert len(commands) == 2, path
+        assert len(commands) == count, path
         for command in commands:
             assert '--out benchmark_results' in command, command
 

@@ -1,0 +1,244 @@
+"""What the benchmarks train: three workloads and the ways to train them.
+
+The workloads are an MLP, a small CNN and a small transformer encoder,
+each a module class plus a data generator (numpy arrays, as most skorch
+users pass them; nothing is downloaded: the CNN's images are scikit-learn's
+bundled 8x8 digits, or synthetic images of any size). The contenders,
+built by :func:`make_net` with the same settings (SGD with momentum,
+shuffled data, no validation split, ``CrossEntropyLoss``), differ only in
+how they accumulate:
+
+* ``plain``: skorch's ``NeuralNetClassifier``, at ``B`` or at ``B * k``;
+* ``gradacc``: ``GradAccNeuralNetClassifier(B, k)``;
+* ``faq``: skorch's FAQ recipe, :class:`FAQRecipeNet`;
+* ``accelerate``: ``skorch.hf.AccelerateMixin`` with Accelerate's own
+  accumulation;
+* ``naive``: ``loss / k`` with the last partial group stepped anyway, the
+  rule of Lightning and most loops (the demo's ``NaiveDivideByK``);
+* ``hand``: a hand-written PyTorch loop with ``loss / k``, the floor for
+  speed (:class:`HandLoop`), and ``accumgrad``, the same loop with
+  :class:`skorch_gradacc.AccumGrad` (:class:`AccumGradLoop`).
+"""
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits, make_classification
+from skorch import NeuralNetClassifier
+from skorch.hf import AccelerateMixin
+
+from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
+from skorch_gradacc.demo import NaiveDivideByK
+
+__all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
+           'make_module', 'make_net']
+
+def mlp(n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
+    """A tabular MLP: two hidden ReLU layers, logits out."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(n_in, n_hidden, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.Linear(n_hidden, n_hidden, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.Linear(n_hidden, n_out, dtype=dtype))
+
+
+def cnn(in_channels=1, image_size=8, channels=(16, 32), n_hidden=64, n_out=10,
+        dtype=torch.float32):
+    """Two 3x3 convolutions, a 2x2 max-pool and a two-layer head."""
+    c1, c2 = channels
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype),
+        torch.nn.ReLU(), torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype),
+        torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Linear(c2 * (image_size // 2) ** 2, n_hidden, dtype=dtype),
+        torch.nn.ReLU(), torch.nn.Linear(n_hidden, n_out, dtype=dtype))
+
+
+class Transformer(torch.nn.Module):
+    """A small transformer encoder that classifies token sequences.
+
+    Token and position embeddings, ``n_layers`` pre-norm encoder layers
+    without dropout (dropout draws its masks per micro-batch, see the
+    package's notes), mean pooling and a linear classifier.
+    """
+
+    def __init__(self, vocab_size=64, seq_len=32, d_model=64, n_heads=4,
+                 d_ff=128, n_layers=2, n_out=2, dtype=torch.float32):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab_size, d_model, dtype=dtype)
+        self.positions = torch.nn.Embedding(seq_len, d_model, dtype=dtype)
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model, n_heads, dim_feedforward=d_ff, dropout=0.0,
+            batch_first=True, norm_first=True, dtype=dtype)
+        self.encoder = torch.nn.TransformerEncoder(
+            layer, n_layers, enable_nested_tensor=False)
+        self.classifier = torch.nn.Linear(d_model, n_out, dtype=dtype)
+
+    def forward(self, X):
+        positions = torch.arange(X.shape[1], device=X.device)
+        hidden = self.encoder(self.tokens(X) + self.positions(positions))
+        return self.classifier(hidden.mean(dim=1))
+
+
+WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
+
+
+def make_module(name, dtype=torch.float32, **module_kwargs):
+    """Return ``(module factory, module kwargs)`` for a skorch net."""
+    return WORKLOADS[name], dict(module_kwargs, dtype=dtype)
+
+
+def make_data(name, n, dtype=torch.float32, seed=0, **module_kwargs):
+    """Return ``(X, y)`` numpy arrays of ``n`` samples for a workload.
+
+    ``module_kwargs`` are the module's size parameters, so that the data fit
+    the module (e.g. ``image_size`` or ``seq_len``).
+    """
+    rng = np.random.default_rng(seed)
+    floats = np.float64 if dtype == torch.float64 else np.float32
+    if name == 'mlp':
+        n_in = module_kwargs.get('n_in', 64)
+        X, y = make_classification(
+            n_samples=n, n_features=n_in, n_informative=n_in // 2,
+            n_classes=module_kwargs.get('n_out', 10), n_clusters_per_class=1,
+            random_state=seed)
+        return ((X - X.mean(0)) / X.std(0)).astype(floats), y.astype(np.int64)
+    if name == 'cnn':
+        size = module_kwargs.get('image_size', 8)
+        channels = module_kwargs.get('in_channels', 1)
+        if size == 8 and channels == 1:
+            # scikit-learn's bundled digits, repeated if more are asked for
+            X, y = load_digits(return_X_y=True)
+            rows = np.arange(n) % len(X)
+            X = (X[rows] / 16.0).reshape(n, 1, 8, 8)
+            return X.astype(floats), y[rows].astype(np.int64)
+        X = rng.standard_normal((n, channels, size, size), dtype=np.float32)
+        y = rng.integers(0, module_kwargs.get('n_out', 10), size=n)
+        return X.astype(floats), y.astype(np.int64)
+    if name == 'transformer':
+        X = rng.integers(0, module_kwargs.get('vocab_size', 64),
+                         size=(n, module_kwargs.get('seq_len', 32)))
+        # a label that needs the whole sequence: more 1s than 2s?
+        y = ((X == 1).sum(1) > (X == 2).sum(1)).astype(np.int64)
+        return X.astype(np.int64), y
+    raise ValueError('unknown workload {!r}'.format(name))
+
+
+class FAQRecipeNet(NeuralNetClassifier):
+    """skorch's FAQ recipe for gradient accumulation, as written there.
+
+    From "How can I perform gradient accumulation with skorch?" in skorch's
+    ``docs/user/FAQ.rst``, in skorch 1.x's ``train_step(self, batch)``
+    signature, exactly as skorch's own test ``test_gradient_accumulation``
+    writes it. Nothing else is changed or fixed.
+    """
+
+    def __init__(self, *args, acc_steps=2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.acc_steps = acc_steps
+
+    def get_loss(self, *args, **kwargs):
+        loss = super().get_loss(*args, **kwargs)
+        return loss / self.acc_steps  # normalize loss
+
+    def train_step(self, batch, **fit_params):
+        # note that n_train_batches starts at 1 for each epoch
+        n_train_batches = len(self.history[-1, 'batches'])
+        step = self.train_step_single(batch, **fit_params)
+
+        if n_train_batches % self.acc_steps == 0:
+            self.optimizer_.step()
+            self.optimizer_.zero_grad()
+        return step
+
+
+class AccelerateNet(AccelerateMixin, NeuralNetClassifier):
+    """``NeuralNetClassifier`` trained through Hugging Face Accelerate."""
+
+
+def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
+             max_epochs=1, **kwargs):
+    """Build one skorch contender; see the module docstring for ``kind``.
+
+    ``batch_size`` is the micro-batch size ``B``; ``kind='plain'`` takes the
+    batch size as given (pass ``B * k`` for the large-batch net). Build an
+    ``'accelerate'`` net right before it trains: Accelerate keeps
+    ``gradient_accumulation_steps`` in a state that all ``Accelerator``
+    objects of the process share, and the last one created sets it.
+    """
+    params = dict(criterion=torch.nn.CrossEntropyLoss,
+                  optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=lr,
+                  max_epochs=max_epochs, batch_size=batch_size,
+                  train_split=None, iterator_train__shuffle=True, verbose=0)
+    params.update({'module__' + key: value
+                   for key, value in module_kwargs.items()})
+    params.update(kwargs)
+    if kind == 'accelerate':
+        from accelerate import Accelerator
+
+        # AccelerateMixin logs through accelerator.print, which ignores
+        # verbose=0; skorch's print keeps the run as quiet as the others
+        params.setdefault('callbacks__print_log__sink', print)
+        return AccelerateNet(module, accelerator=Accelerator(
+            gradient_accumulation_steps=acc_steps, cpu=True), device=None,
+            unwrap_after_train=False, **params)
+    classes = {'gradacc': GradAccNeuralNetClassifier, 'faq': FAQRecipeNet,
+               'naive': NaiveDivideByK}
+    if kind == 'plain':
+        return NeuralNetClassifier(module, **params)
+    if kind not in classes:
+        raise ValueError('unknown contender kind {!r}'.format(kind))
+    return classes[kind](module, acc_steps=acc_steps, **params)
+
+
+class HandLoop:
+    """A hand-written PyTorch training loop with ``loss / k`` accumulation.
+
+    The loop everyone writes (and Accelerate's documentation shows): backward
+    on ``loss / acc_steps``, step every ``acc_steps`` micro-batches and after
+    the last one; no logging, callbacks or history: the floor for the time
+    an epoch can take. ``loader`` yields micro-batches ``(X, y)`` of
+    tensors; a skorch net's iterator measures skorch's data path alone.
+    """
+
+    def __init__(self, module, loader, acc_steps, lr=0.05):
+        self.module, self.loader, self.acc_steps = module, loader, acc_steps
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr,
+                                         momentum=0.9)
+
+    @classmethod
+    def from_arrays(cls, module, X, y, batch_size, acc_steps, lr=0.05):
+        dataset = torch.utils.data.TensorDataset(torch.as_tensor(X),
+                                                 torch.as_tensor(y))
+        return cls(module, torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, shuffle=True), acc_steps, lr=lr)
+
+    def epoch(self):
+        self.module.train()
+        n_batches = len(self.loader)
+        for i, (Xi, yi) in enumerate(self.loader, start=1):
+            loss = self.criterion(self.module(Xi), yi)
+            (loss / self.acc_steps).backward()
+            if i % self.acc_steps == 0 or i == n_batches:
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+
+
+class AccumGradLoop(HandLoop):
+    """The same loop with :class:`skorch_gradacc.AccumGrad`, no ``loss / k``.
+
+    Each micro-batch's rows are counted (``set_count``), so a short last
+    micro-batch weighs what it holds, and the last partial group is flushed.
+    """
+
+    def __init__(self, module, loader, acc_steps, lr=0.05):
+        super().__init__(module, loader, acc_steps, lr=lr)
+        self.optimizer = AccumGrad(self.optimizer, acc_steps)
+
+    def epoch(self):
+        self.module.train()
+        for Xi, yi in self.loader:
+            self.optimizer.zero_grad()
+            self.optimizer.set_count(len(yi))
+            self.criterion(self.module(Xi), yi).backward()
+            self.optimizer.step()
+        self.optimizer.flush()
