@@ -279,14 +279,3 @@ def test_criterion_under_another_name_is_counted(clf_data):
     fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
     assert acc_net.count_loss_items((torch.zeros(3, 10), None)) is None
     assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
-
-
-@pytest.mark.parametrize('name, args', [
-    ('GradAccProgressBar', ()),
-    ('GradAccLRScheduler', ('StepLR',)),
-])
-def test_step_aware_callbacks_are_deprecated(name, args):
-    import skorch_gradacc
-
-    with pytest.warns(FutureWarning, match=name + ' is deprecated'):
-        getattr(skorch_gradacc, name)(*args)

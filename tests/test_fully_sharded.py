@@ -260,12 +260,6 @@ class TestValidation:
         ({'shard_classes': 'Linear'},
          "shard_classes must be None or a list of module classes or class "
          "names, got 'Linear' instead."),
-        ({'micro_batch_size': 4},
-         "micro_batch_size must be None with FullyShardedGradAccMixin, got 4: "
-         "every rank must run the same forward passes."),
-        ({'skip_nonfinite': True},
-         "skip_nonfinite must be False with FullyShardedGradAccMixin, got "
-         "True: each rank sees only its own gradient shard."),
         ({'mixed_precision': 'fp16'},
          "mixed_precision must be None or 'bf16' with "
          "FullyShardedGradAccMixin, got 'fp16': 'bf16' uses FSDP's "

@@ -159,7 +159,7 @@ def main(out_dir, scenario, backend='gloo'):
     torch.save({
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
-        'allreduces': net.comm_state_.allreduces,
+        'allreduces': net.engine_.allreduces,
         'steps': sum(net.history[:, 'train_batch_count']),
         'micro_batches': net.micro_batches_,
         'rows': net.rows_,
