@@ -101,6 +101,14 @@ class Engine:
         nothing to do.
         """
 
+    def discard_gradient(self, run_empty_pass):
+        """Give up the gradient of a failed attempt at the step.
+
+        Called on every rank before the net zeroes ``.grad`` and backs off;
+        ``run_empty_pass(piece)`` runs a zero-row pass that reduces the
+        gradient. Here, ``.grad`` holds all of it: nothing to do.
+        """
+
     def end_step(self, net, group, counts):
         """Finish the step after its last backward; return its loss.
 

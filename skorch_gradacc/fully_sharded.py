@@ -24,6 +24,7 @@ import torch.distributed as dist
 from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.engine import DataParallelEngine
+from skorch_gradacc.precision import AUTOCAST_DTYPES
 from skorch_gradacc.sharding import zero_rows
 
 #: The oldest torch whose FSDP2 this module uses: ``fully_shard``, and
@@ -47,6 +48,7 @@ try:
         MixedPrecisionPolicy,
         fully_shard,
     )
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 except ImportError as error:
     raise ImportError(_TOO_OLD) from error
 if not hasattr(FSDPModule, 'set_force_sum_reduction_for_comms'):
@@ -259,6 +261,15 @@ class FullyShardedEngine(DataParallelEngine):
         run_empty_pass(self._template)
         self._agree(False, False, size)
 
+    def discard_gradient(self, run_empty_pass):
+        """Reduce-scatter what FSDP2 accumulated of the failed attempt.
+
+        FSDP2 keeps the unsharded gradient of passes without a
+        reduce-scatter out of ``.grad``; a zero-row pass that reduce-scatters
+        moves it there, where the net zeroes it.
+        """
+        run_empty_pass(self._template)
+
 
 class FullyShardedGradAccMixin:
     """Mixin that trains a GradAcc net with fully sharded data parallel.
@@ -312,11 +323,15 @@ class FullyShardedGradAccMixin:
     finite. Only the module (``module_``) is sharded; the optimizer must
     hold its parameters only.
 
-    The net's ``mixed_precision='bf16'`` becomes FSDP's
+    The net's ``mixed_precision`` becomes FSDP's
     :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters are
-    gathered and used in bfloat16, gradients reduced in float32 and the
-    sharded parameters kept in their own dtype, and no autocast is used.
-    ``mixed_precision='fp16'`` is refused.
+    gathered and used in bfloat16 or float16, gradients reduced in float32
+    and the sharded parameters kept in their own dtype, and no autocast is
+    used. With ``'fp16'``, a
+    :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
+    scales the losses and all-reduces whether any shard overflowed. Each
+    backward is weighted by its item count, so the scale settles that many
+    times lower than in one process, and the first steps may be skipped.
 
     .. note::
 
@@ -373,12 +388,6 @@ class FullyShardedGradAccMixin:
             raise ValueError(
                 "shard_classes must be None or a list of module classes or "
                 "class names, got {!r} instead.".format(classes))
-        if self.mixed_precision not in (None, 'bf16'):
-            raise ValueError(
-                "mixed_precision must be None or 'bf16' with "
-                "FullyShardedGradAccMixin, got {!r}: 'bf16' uses FSDP's "
-                "MixedPrecisionPolicy, and 'fp16' would need a sharded "
-                "GradScaler.".format(self.mixed_precision))
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "FullyShardedGradAccMixin needs the default process group: "
@@ -413,9 +422,10 @@ class FullyShardedGradAccMixin:
         # fully_shard moves each unit to the mesh's device as it shards it,
         # so that the whole module never has to fit there
         kwargs = {'mesh': self._mesh()}
-        if self.mixed_precision == 'bf16':
+        if self.mixed_precision is not None:
             kwargs['mp_policy'] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                param_dtype=AUTOCAST_DTYPES[self.mixed_precision],
+                reduce_dtype=torch.float32)
         self.module_ = shard_module(self.module_, self.shard_classes, **kwargs)
         return self
 
@@ -426,8 +436,13 @@ class FullyShardedGradAccMixin:
         return super().make_engine()
 
     def _autocast(self):
-        # mixed_precision='bf16' is FSDP's MixedPrecisionPolicy, not autocast
+        # mixed_precision is FSDP's MixedPrecisionPolicy, not autocast
         return contextlib.nullcontext()
+
+    def _make_grad_scaler(self):
+        # every rank unscales its shards; the scaler all-reduces whether any
+        # was not finite, so that all ranks step or skip alike
+        return ShardedGradScaler(self._device_type())
 
     # Checkpoints: one full, unsharded copy
 

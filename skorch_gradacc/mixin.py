@@ -660,6 +660,9 @@ class GradAccMixin(StepDecisionMixin):
                 return step
             # outside the except block, so that the failed attempt's
             # tensors, held by the traceback, are freed
+            self.get_engine().discard_gradient(functools.partial(
+                self._train_piece, counts=_NO_ITEMS, is_last=True,
+                **fit_params))
             self._back_off_micro_batch_size(group, buffers, size)
 
     def _accumulate_gradients(self, group, **fit_params):
@@ -742,18 +745,22 @@ class GradAccMixin(StepDecisionMixin):
             if not training:
                 return loss
             calls.append(True)
+            # in float32 at least: a float16 loss times its weight and scale
+            # may overflow, and its value must stay the loss's
+            base = (loss.float() if loss.dtype in (torch.float16, torch.bfloat16)
+                    else loss)
             if not isinstance(weight, torch.Tensor) and weight == 0:
                 weighted = sum(0 * out.sum() for out in _tensors(y_pred))
             elif isinstance(weight, torch.Tensor):
-                weighted = loss * weight.to(loss)
+                weighted = base * weight.to(base)
             else:
-                weighted = loss if weight in (None, 1) else loss * weight
+                weighted = base if weight in (None, 1) else base * weight
             if scaler is not None:
                 weighted = scaler.scale(weighted)
             if weighted is loss:
-                return loss
+                return loss  # nothing to weight or scale
             # the value of the loss, the gradient of the weighted one
-            return loss.detach() + (weighted - weighted.detach())
+            return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
 
         self.get_loss = weighted_loss  # what train_step_single calls
         try:

@@ -111,8 +111,11 @@ class StepDecisionMixin:
         if self.mixed_precision != 'fp16':
             return None
         if getattr(self, 'grad_scaler_', None) is None:
-            self.grad_scaler_ = torch.amp.GradScaler(self._device_type())
+            self.grad_scaler_ = self._make_grad_scaler()
         return self.grad_scaler_
+
+    def _make_grad_scaler(self):
+        return torch.amp.GradScaler(self._device_type())
 
     def _unscale_gradients(self):
         """Undo the GradScaler's scale, once per group, before callbacks."""

@@ -169,10 +169,12 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
 
 # Modules whose tests start processes, clusters or whole trainings: marked
 # slow here, in one place, so that `python -m pytest -m "not slow"` is a
-# quick inner loop. CI runs everything.
+# quick inner loop. CI runs everything. The torchrun tests of
+# test_distributed and test_fully_sharded are marked one by one, so that
+# their quick tests run in the inner loop.
 SLOW_MODULES = {
-    'test_benchmarks', 'test_dask', 'test_demo', 'test_distributed',
-    'test_docs', 'test_fully_sharded', 'test_notebooks', 'test_packaging',
+    'test_benchmarks', 'test_dask', 'test_demo',
+    'test_docs', 'test_notebooks', 'test_packaging',
     'test_properties', 'test_readme', 'test_sklearn_checks',
     'test_skorch_suite', 'test_stream_memory', 'test_transformers_recipe',
 }

@@ -11,7 +11,8 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
   micro-batches and rank 1 one, and a zero-row pass;
 * ``cuda``: ``samples`` on the GPUs, with NCCL (one rank per GPU);
 * ``clip``: ``samples`` with skorch's GradientNormClipping;
-* ``bf16``: ``samples`` with ``mixed_precision='bf16'``;
+* ``bf16``, ``fp16``: ``samples`` with ``mixed_precision='bf16'`` or
+  ``'fp16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch;
 * ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
@@ -103,7 +104,7 @@ class SpikyClassifier(torch.nn.Sequential):
             hidden = torch.cat([hidden[:, :12],
                                 InfiniteGradient.apply(hidden[:, 12:13]),
                                 hidden[:, 13:]], dim=1)
-        for layer in self[1:]:
+        for layer in list(self)[1:]:
             hidden = layer(hidden)
         return hidden
 
@@ -199,7 +200,8 @@ def make_net(scenario, max_epochs=2, X=None):
     return FSDPClassifier(
         module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
-        mixed_precision='bf16' if scenario == 'bf16' else None, **common)
+        mixed_precision=scenario if scenario in ('bf16', 'fp16') else None,
+        **common)
 
 
 def fit(scenario, out_dir):
@@ -276,6 +278,7 @@ def main(out_dir, scenario):
                      for epoch in net.history[:, 'batches']
                      for row in epoch],
         'micro_batch_size_': net.micro_batch_size_,
+        'scale': net.grad_scaler_ and net.grad_scaler_.get_scale(),
         'reduce_scatters': len(reduce_scatters),
         'reduce_dtypes': set(reduce_scatters),
         'sampler_epochs': getattr(net, 'sampler_epochs_', None),
