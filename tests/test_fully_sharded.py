@@ -238,6 +238,18 @@ def test_options_match_single_process(tmp_path, scenario):
         for rank in ranks:
             assert rank['micro_batch_size_'] == 4
             assert rank['backoffs'] == [[4]] + [None] * 9
+    if scenario == 'micro':
+        # what get_loss recorded per piece is merged as the loss is: the
+        # mean over the rank's pieces, weighted by their rows
+        for rank in ranks:
+            pieces = [rank['piece_losses'][step]
+                      for step in sorted(rank['piece_losses'])]
+            if rank is ranks[0]:  # 3 micro-batches of 8 rows: 9 pieces
+                assert [len(step) for step in pieces[:5]] == [9, 9, 9, 9, 1]
+            expected = [sum(n * value for n, value in step)
+                        / sum(n for n, _ in step) for step in pieces]
+            merged = [loss for loss in rank['merged_losses'] if loss]
+            np.testing.assert_allclose(merged, expected, rtol=1e-12)
 
 
 @pytest.mark.slow  # torchrun

@@ -182,7 +182,7 @@ def main(out_dir, scenario, backend='gloo'):
         'steps': sum(net.history[:, 'train_batch_count']),
         'micro_batches': net.micro_batches_,
         'rows': net.rows_,
-        'micro_batch_size_': net.micro_batch_size_,
+        'micro_batch_size_': getattr(net, 'micro_batch_size_', None),
         'train_loss': [float(loss) for loss in net.history[:, 'train_loss']],
         'batch_losses': [[float(loss) for loss in losses] for losses in
                          net.history[:, 'batches', :, 'train_loss']],

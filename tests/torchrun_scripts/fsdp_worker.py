@@ -156,7 +156,16 @@ class RecordsEpoch(Callback):
 
 
 class FSDPClassifier(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
-    pass
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        """Records each piece's loss in the row, and aside with its rows."""
+        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        if training and len(y_true):
+            self.history.record_batch('piece_loss', loss.item())
+            step = (len(self.history), len(self.history[-1]['batches']))
+            self.piece_losses_ = getattr(self, 'piece_losses_', {})
+            self.piece_losses_.setdefault(step, []).append(
+                (len(y_true), loss.item()))
+        return loss
 
 
 class FSDPTokenNet(FullyShardedGradAccMixin, GradAccNeuralNet):
@@ -279,6 +288,10 @@ def main(out_dir, scenario):
                      for row in epoch],
         'micro_batch_size_': net.micro_batch_size_,
         'scale': net.grad_scaler_ and net.grad_scaler_.get_scale(),
+        'piece_losses': getattr(net, 'piece_losses_', None),
+        'merged_losses': [row.get('piece_loss')
+                          for epoch in net.history[:, 'batches']
+                          for row in epoch],
         'reduce_scatters': len(reduce_scatters),
         'reduce_dtypes': set(reduce_scatters),
         'sampler_epochs': getattr(net, 'sampler_epochs_', None),
