@@ -208,11 +208,7 @@ class DataParallelEngine(Engine):
             return loss
         # the summed gradient over all ranks is in units of 1; no host sync;
         # with no item on any rank, the gradient is left as it is (zero)
-        divisor = torch.where(total > 0, total, torch.ones_like(total))
-        grads = _grads(net)
-        for dtype in {grad.dtype for grad in grads}:
-            torch._foreach_div_([grad for grad in grads if grad.dtype == dtype],
-                                divisor.to(dtype))
+        scale_gradients(_grads(net), torch.where(total > 0, 1 / total, 1.0))
         return loss / total
 
     def all_ranks(self, ok):

@@ -27,6 +27,7 @@ import functools
 import inspect
 import math
 import sys
+import types
 
 import numpy as np
 import torch
@@ -955,13 +956,8 @@ def _as_skorch_step(step):
     return step
 
 
-class _NoItems:
-    """The counts of a zero-row pass that stands in for a failed one."""
-
-    count = weight = 0.0
-
-
-_NO_ITEMS = _NoItems()
+# the counts of a zero-row pass that stands in for a failed one
+_NO_ITEMS = types.SimpleNamespace(count=0.0, weight=0.0)
 
 
 def _tensors(output):
