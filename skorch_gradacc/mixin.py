@@ -43,9 +43,9 @@ from skorch_gradacc.batching import (
     is_positive_int,
     split_batch,
 )
-from skorch_gradacc.engine import DataParallelEngine, engine_for
+from skorch_gradacc.engine import DataParallelEngine, Engine, engine_for
 from skorch_gradacc.grouping import MicroBatchGroup
-from skorch_gradacc.item_counts import ItemCounts
+from skorch_gradacc.item_counts import ItemCounts, scale_gradients
 from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
 __all__ = ['GradAccMixin']
@@ -739,6 +739,15 @@ class GradAccMixin(StepDecisionMixin):
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
         weight, scaler = counts.weight, self._get_grad_scaler()
+        # a train_step_single that computes its loss without get_loss (seen
+        # on an earlier piece): in one process, .grad is rescaled instead
+        rescale = (getattr(counts, 'without_get_loss', False)
+                   and type(self.get_engine()) is Engine
+                   and not isinstance(weight, torch.Tensor)
+                   and weight not in (None, 0, 1))
+        if rescale:
+            scale_gradients(_grads_of(self), 1 / weight)
+            weight = 1.0
         get_loss, calls = self.get_loss, []
 
         def weighted_loss(y_pred, y_true, X=None, training=False):
@@ -773,6 +782,10 @@ class GradAccMixin(StepDecisionMixin):
                 del self.get_loss
             else:
                 self.get_loss = own
+        if rescale:
+            scale_gradients(_grads_of(self), counts.weight)
+        if not calls and counts is not _NO_ITEMS:
+            counts.without_get_loss = True
         weighted = isinstance(weight, torch.Tensor) or weight not in (None, 1)
         if not calls and (weighted or scaler is not None):
             raise RuntimeError(
@@ -954,6 +967,11 @@ def _as_skorch_step(step):
             and not loss.requires_grad):
         step = dict(step, loss=loss.detach().requires_grad_())
     return step
+
+
+def _grads_of(net):
+    return [param.grad for _, param in net.get_all_learnable_params()
+            if param.grad is not None]
 
 
 # the counts of a zero-row pass that stands in for a failed one
