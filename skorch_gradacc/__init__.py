@@ -7,12 +7,8 @@ section of the docs' "How it works" for what is held and what was measured.
 """
 
 from skorch_gradacc.accum_grad import AccumGrad
-from skorch_gradacc.callbacks import (
-    AccumulationScheduler,
-    GradAccLRScheduler,
-    GradAccProgressBar,
-)
-from skorch_gradacc.distributed import DistributedGradAccMixin, FullyShardedGradAccMixin
+from skorch_gradacc.callbacks import AccumulationScheduler
+from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,
@@ -23,14 +19,21 @@ from skorch_gradacc.nets import (
 
 __version__ = '0.1.0.dev0'
 
+
+def __getattr__(name):
+    # FSDP2 (torch.distributed.fsdp) is imported only when it is used
+    if name == 'FullyShardedGradAccMixin':
+        from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
+        return FullyShardedGradAccMixin
+    raise AttributeError(
+        "module {!r} has no attribute {!r}".format(__name__, name))
+
 __all__ = [
     'AccumGrad',
     'AccumulationScheduler',
     'DistributedGradAccMixin',
     'FullyShardedGradAccMixin',
-    'GradAccLRScheduler',
     'GradAccMixin',
-    'GradAccProgressBar',
     'GradAccNeuralNet',
     'GradAccNeuralNetBinaryClassifier',
     'GradAccNeuralNetClassifier',

@@ -8,13 +8,11 @@ keeps no buffer of its own: the sum lives in the parameters' ``.grad``.
 Inside skorch, use :class:`skorch_gradacc.GradAccMixin` instead.
 """
 
-import math
-import numbers
 
 import torch
 
+from skorch_gradacc.batching import is_positive_int
 from skorch_gradacc.item_counts import ItemCounts, scale_gradients
-from skorch_gradacc.mixin import _is_positive_int
 
 __all__ = ['AccumGrad']
 
@@ -139,7 +137,7 @@ class AccumGrad(torch.optim.Optimizer):
             raise ValueError(
                 "optimizer must not be LBFGS, which evaluates the loss several "
                 "times per step and so cannot accumulate micro-batches.")
-        if not _is_positive_int(acc_steps):
+        if not is_positive_int(acc_steps):
             raise ValueError(
                 "acc_steps must be a positive integer, got {!r} instead."
                 .format(acc_steps))
@@ -165,7 +163,7 @@ class AccumGrad(torch.optim.Optimizer):
         # .grad holds sum_j (count_j / unit) * gradient_j over the group's
         # micro-batches j (see ItemCounts); unit changes only when the
         # counts do.
-        self._counts = ItemCounts(self._scale_grads)
+        self._counts = ItemCounts(rescale=self._scale_grads)
         self._counted = None
         self._pending_count = False
 
@@ -256,21 +254,7 @@ class AccumGrad(torch.optim.Optimizer):
           A number of items, 0 or more.
 
         """
-        if isinstance(count, torch.Tensor):
-            if (count.numel() != 1 or count.dtype == torch.bool
-                    or count.is_complex()):
-                raise ValueError(
-                    "count must be a number or a one-element tensor of "
-                    "numbers, got a tensor of shape {} and dtype {} instead."
-                    .format(tuple(count.shape), count.dtype))
-            if count.device.type in ItemCounts.host_devices:
-                count = count.item()  # no device to wait for
-        if not isinstance(count, torch.Tensor) and (
-                not isinstance(count, numbers.Real) or isinstance(count, bool)
-                or not math.isfinite(count) or count < 0):
-            raise ValueError(
-                "count must be a number of items, 0 or more, got {!r} "
-                "instead.".format(count))
+        count = self._counts.check(count, summed_ok=False)
         if self.reduction == 'sum':
             raise RuntimeError(
                 "set_count weights mean losses; with reduction='sum' the "

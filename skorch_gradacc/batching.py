@@ -4,14 +4,18 @@ These helpers know the shapes of data that skorch's iterators yield: usually
 a pair ``(X, y)`` whose members are tensors, numpy arrays, pandas objects, or
 dicts and lists/tuples of those. Splitting is done with
 :func:`skorch.utils.multi_indexing`, so tensors are split into views and no
-data is copied.
+data is copied. :func:`is_positive_int` checks a number of micro-batches or
+rows.
 """
+
+import numbers
 
 import torch
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
-__all__ = ['batch_len', 'concat_outputs', 'detach_outputs', 'split_batch']
+__all__ = ['batch_len', 'concat_outputs', 'detach_outputs', 'is_positive_int',
+           'split_batch']
 
 
 def batch_len(batch):
@@ -132,3 +136,9 @@ def concat_outputs(outputs):
 
     """
     return _apply(torch.cat, outputs)
+
+
+def is_positive_int(value):
+    """Whether ``value`` is an integer of at least 1, and not a bool."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and value >= 1)

@@ -1,49 +1,10 @@
 """Callbacks that know about gradient accumulation."""
 
-import numbers
-import warnings
+from skorch.callbacks import Callback
 
-from skorch.callbacks import Callback, LRScheduler, ProgressBar
+from skorch_gradacc.batching import is_positive_int
 
-__all__ = ['AccumulationScheduler', 'GradAccLRScheduler', 'GradAccProgressBar']
-
-
-def _warn_deprecated(old, new):
-    warnings.warn(
-        "{} is deprecated and will be removed: a plain {} does the same on a "
-        "GradAcc net, which no longer replaces the callbacks it is given. Use "
-        "{} instead.".format(old, new, new), FutureWarning, stacklevel=3)
-
-
-class GradAccProgressBar(ProgressBar):
-    """Deprecated: use :class:`skorch.callbacks.ProgressBar`.
-
-    A GradAcc net tells a plain ``ProgressBar`` the epoch's number of
-    optimizer steps (see :meth:`skorch_gradacc.GradAccMixin.notify`), so this
-    class adds nothing to it any more. It takes the same parameters.
-
-    """
-
-    def __init__(self, *args, **kwargs):
-        _warn_deprecated('GradAccProgressBar', 'skorch.callbacks.ProgressBar')
-        super().__init__(*args, **kwargs)
-
-
-class GradAccLRScheduler(LRScheduler):
-    """Deprecated: use :class:`skorch.callbacks.LRScheduler`.
-
-    A plain ``LRScheduler`` with ``step_every='batch'`` does not advance on
-    a step that a GradAcc net skipped (``skip_nonfinite``, or the GradScaler
-    of ``mixed_precision='fp16'``): skorch's scheduler asks
-    ``net.accelerator.optimizer_step_was_skipped``, which the net answers
-    (see :class:`skorch_gradacc.precision.SkippedStepReport`). So this class
-    adds nothing to it any more. It takes the same parameters.
-
-    """
-
-    def __init__(self, *args, **kwargs):
-        _warn_deprecated('GradAccLRScheduler', 'skorch.callbacks.LRScheduler')
-        super().__init__(*args, **kwargs)
+__all__ = ['AccumulationScheduler']
 
 
 class AccumulationScheduler(Callback):
@@ -106,8 +67,7 @@ class AccumulationScheduler(Callback):
 
     @staticmethod
     def _check(epoch, acc_steps):
-        if (isinstance(acc_steps, bool)
-                or not isinstance(acc_steps, numbers.Integral) or acc_steps < 1):
+        if not is_positive_int(acc_steps):
             raise ValueError(
                 "AccumulationScheduler: the schedule gives acc_steps={!r} for "
                 "epoch {!r}; it must be a positive integer.".format(

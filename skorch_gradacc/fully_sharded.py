@@ -7,9 +7,10 @@ device together with their gradients and optimizer state. In one place
 each:
 
 * which submodules become FSDP units: :func:`shard_module`;
-* the step's micro-batches, their reduce-scatters and the normalization by
-  the global item count:
-  :meth:`FullyShardedGradAccMixin._accumulate_gradients`;
+* what FSDP2 needs of the step (one loop serves every engine: see
+  :meth:`skorch_gradacc.GradAccMixin.accumulate_gradients`): the same
+  passes on every rank, the reduce-scatter, and the unit of the counts:
+  :class:`FullyShardedEngine`;
 * one full, unsharded checkpoint, written by rank 0 and read by every
   rank: :meth:`FullyShardedGradAccMixin.save_params`, and skorch's own
   ``save_params`` and ``load_params`` through
@@ -21,21 +22,39 @@ import contextlib
 import torch
 import torch.distributed as dist
 from skorch.utils import _check_f_arguments
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from skorch_gradacc.batching import batch_len, concat_outputs, detach_outputs
-from skorch_gradacc.distributed import StepSync, gradient_sync
-from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
+from skorch_gradacc.engine import DataParallelEngine
+from skorch_gradacc.precision import AUTOCAST_DTYPES
+from skorch_gradacc.sharding import zero_rows
 
-__all__ = ['FullyShardedGradAccMixin', 'FullyShardedSync', 'shard_module']
+#: The oldest torch whose FSDP2 this module uses: ``fully_shard``, and
+#: ``set_force_sum_reduction_for_comms`` for sum-only reductions on gloo.
+MIN_TORCH = (2, 8)
+_TOO_OLD = (
+    "skorch_gradacc's FullyShardedGradAccMixin needs torch>={}.{} (FSDP2's "
+    "fully_shard with sum-only reductions), got torch {}; the rest of "
+    "skorch_gradacc works with it.".format(*MIN_TORCH, torch.__version__))
+try:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+except ImportError as error:
+    raise ImportError(_TOO_OLD) from error
+if not hasattr(FSDPModule, 'set_force_sum_reduction_for_comms'):
+    raise ImportError(_TOO_OLD)
+
+__all__ = ['FullyShardedEngine', 'FullyShardedGradAccMixin', 'shard_module']
 
 #: Classes that are FSDP units by default, wherever they are in the module.
 TRANSFORMER_BLOCKS = (torch.nn.TransformerEncoderLayer,
@@ -133,91 +152,123 @@ def shard_module(module, shard_classes=None, **kwargs):
     return module
 
 
-class _Steps:
-    """The groups of micro-batches of this rank, one per step, with passes.
+class FullyShardedEngine(DataParallelEngine):
+    """The engine of a module sharded with ``fully_shard`` (FSDP2).
 
-    Each group gets ``passes``: the number of micro-batches of the rank
-    with the most in the step, which every rank runs. For the groups of
-    :class:`~skorch_gradacc.sharding.ShardedMicroBatchGroups` that is rank
-    0's share of the step; for a loader sharded by its own sampler (a
-    :class:`~torch.utils.data.DistributedSampler`, which pads), the group's
-    size.
-    """
+    :meth:`~skorch_gradacc.engine.DataParallelEngine.groups` and
+    :meth:`~skorch_gradacc.engine.DataParallelEngine.end_step` are those of
+    every data-parallel engine. What FSDP2 needs besides:
 
-    def __init__(self, groups, micro_batches, acc_steps, world_size):
-        self.groups = groups
-        self.count = len(micro_batches)
-        self.world_size = world_size
-        self.per_step = acc_steps * world_size
-
-    def __len__(self):
-        return len(self.groups)
-
-    def __iter__(self):
-        sharded = isinstance(self.groups, ShardedMicroBatchGroups)
-        for step, group in enumerate(self.groups):
-            items = min(self.per_step, self.count - step * self.per_step)
-            group.passes = (-(-items // self.world_size) if sharded
-                            else group.size)
-            yield group
-
-
-class FullyShardedSync(StepSync):
-    """The step protocol for a module sharded with ``fully_shard`` (FSDP2).
-
-    :meth:`~skorch_gradacc.distributed.StepSync.groups` and
-    :meth:`~skorch_gradacc.distributed.StepSync.end_step` are those of
-    every engine: the user's iterator sharded by micro-batch, and one
-    all-reduce of the step's item count, loss sum and rows, after which the
-    summed gradient (here: this rank's shard of it) is divided by the
-    count. Here, each group also learns its ``passes``, and
-    :meth:`context` turns FSDP's reduce-scatter on or off.
+    * the same passes on every rank, as each one gathers parameters from
+      all ranks: before each pass the ranks agree, in one all-reduce of
+      three numbers, whether any still has a piece, whether any has one
+      after it (else the pass is the step's last, which reduce-scatters),
+      and whether a pass failed for lack of memory. A rank without a piece
+      runs a zero-row pass (:meth:`passes`);
+    * the reduce-scatter on the step's last pass only, or on every pass
+      with ``sync_each_batch`` (:meth:`context`);
+    * a unit of 1 on every rank (:attr:`unit`): FSDP2 has no hook to scale
+      a rank's gradient before its reduce-scatter, so each backward is
+      weighted by its item count itself.
 
     Parameters
     ----------
     module : torch.nn.Module
       The module, sharded by ``fully_shard``.
 
+    sync_each_batch : bool (default=False)
+      Whether every pass reduce-scatters.
+
     process_group : ProcessGroup or None
       The process group; None for the default one.
 
+    Attributes
+    ----------
+    reduce_scatters : int
+      The passes so far whose backward reduce-scattered.
+
     """
 
-    def __init__(self, module, process_group=None):
-        super().__init__(module, process_group=process_group, shard=True)
+    unit = 1.0
 
-    def groups(self, micro_batches, acc_steps, keep=False,
-               keep_targets=False):
-        """Return this rank's groups, each with its number of ``passes``."""
-        try:
-            len(micro_batches)
-        except TypeError:
-            raise ValueError(
-                "FullyShardedGradAccMixin needs a training iterator with a "
-                "length, so that every rank knows how many forward passes each "
-                "step takes; got {!r}.".format(micro_batches)) from None
-        return _Steps(super().groups(micro_batches, acc_steps, keep=keep,
-                                     keep_targets=keep_targets),
-                      micro_batches, acc_steps,
-                      dist.get_world_size(self.process_group))
+    def __init__(self, module, sync_each_batch=False, process_group=None):
+        super().__init__(module, process_group=process_group, shard=True)
+        self.sync_each_batch = sync_each_batch
+        self.reduce_scatters = 0
+
+    def _agree(self, has_piece, has_more, size):
+        """All-reduce this rank's flags; raise if a pass ran out of memory.
+
+        Returns whether any rank has a piece for the coming pass, and
+        whether any has one after it. ``size`` is the size a failed pass
+        backs off to, or None; the error raised carries the least one.
+        """
+        flags = torch.tensor([float(has_piece), float(has_more),
+                              -float(size) if size else -float('inf')],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        any_piece, any_more, size = flags.tolist()
+        if size != -float('inf'):
+            error = torch.OutOfMemoryError(
+                "Out of memory on another rank: every rank backs off.")
+            error.micro_batch_size = int(-size)
+            raise error
+        return any_piece, any_more
+
+    def passes(self, pieces):
+        """Yield ``(piece, is_last)``, the same number on every rank.
+
+        This rank's pieces, then zero-row ones while another rank has
+        pieces; ``is_last`` is the step's last pass over all ranks.
+        """
+        pieces = iter(pieces)
+        current = next(pieces, None)
+        template = None
+        while True:
+            if current is not None and template is None:
+                template = zero_rows(current[0])
+            any_piece, any_more = self._agree(
+                current is not None, current is not None and not current[1],
+                None)
+            if not any_piece:
+                return
+            piece = template if current is None else current[0]
+            more = current is not None and not current[1]
+            current = None
+            self._template = template  # for after_error
+            yield piece, not any_more
+            del piece
+            if more:
+                current = next(pieces, None)
+
+    def may_skip(self, is_last):
+        """No pass is left out: each gathers parameters from all ranks."""
+        return False
 
     def context(self, syncs):
         """Reduce-scatter in this backward if ``syncs``, else accumulate."""
+        syncs = syncs or self.sync_each_batch
+        self.reduce_scatters += syncs
         self.module.set_requires_gradient_sync(syncs)
         return contextlib.nullcontext()
 
-    def set_unit(self, unit):
-        """Check that the gradient is that of the summed loss.
+    def after_error(self, run_empty_pass, size):
+        """Run a zero-row pass for the failed one, and tell the other ranks.
 
-        FSDP2 offers no hook to scale a rank's gradient before its
-        reduce-scatter, so the net weights each micro-batch's backward by
-        its item count instead: ``.grad`` is in units of one item (1), or of
-        a summed loss (None).
+        The others run the failed pass's collectives, and learn of the error
+        at the next agreement, where every rank backs off to ``size``.
         """
-        if unit not in (None, 1.0):
-            raise ValueError(
-                "FullyShardedSync sums gradients of summed losses; got "
-                "unit={!r}.".format(unit))
+        run_empty_pass(self._template)
+        self._agree(False, False, size)
+
+    def discard_gradient(self, run_empty_pass):
+        """Reduce-scatter what FSDP2 accumulated of the failed attempt.
+
+        FSDP2 keeps the unsharded gradient of passes without a
+        reduce-scatter out of ``.grad``; a zero-row pass that reduce-scatters
+        moves it there, where the net zeroes it.
+        """
+        run_empty_pass(self._template)
 
 
 class FullyShardedGradAccMixin:
@@ -243,17 +294,18 @@ class FullyShardedGradAccMixin:
       with ``acc_steps=k`` train like one process with ``acc_steps=k * W``
       on the same iterator. A rank with fewer micro-batches in the last
       step runs zero-row forward and backward passes instead, which add
-      nothing, so that every rank runs as many passes. The iterator needs a
-      length.
-    * Each micro-batch's backward computes the gradient of its loss times
-      its item count (:meth:`count_loss_items`), the loss itself is
-      untouched; the reduce-scatter sums over the ranks. By default the
-      gradients stay unsharded and local until the group's last micro-batch
-      (``set_requires_gradient_sync(False)``), which reduce-scatters once
-      per step. After it, one all-reduce of three numbers (the step's item
-      count, loss sum and rows over all ranks, as in
-      :class:`~skorch_gradacc.distributed.GradientSync`) gives the count
-      ``C``, and each rank divides its gradient shard by ``C``: the update
+      nothing, so that every rank runs as many passes (the ranks agree on
+      them before each pass: :class:`FullyShardedEngine`).
+    * The step is every engine's
+      (:meth:`~skorch_gradacc.GradAccMixin.accumulate_gradients`), with all
+      of the single process's options. Each backward computes the gradient
+      of its loss times its item count (:meth:`count_loss_items`); the
+      reduce-scatter sums over the ranks. By default the gradients stay
+      unsharded and local until the step's last pass, which
+      reduce-scatters once per step. After it, one all-reduce of three
+      numbers (the step's item count, loss sum and rows over all ranks)
+      gives the count ``C``, and each rank divides its gradient shard by
+      ``C``: the update
       is that of the single process with ``batch_size * acc_steps *
       world_size``, and the history's ``train_loss`` and
       ``train_batch_size`` are those of the whole step over all ranks.
@@ -264,17 +316,22 @@ class FullyShardedGradAccMixin:
     Every forward pass gathers parameters from all ranks, so every rank must
     take part in every forward pass: in training (the mixin sees to it), in
     validation (every rank scores the whole validation set), and in
-    ``predict``, which must be called on every rank. Options that would let
-    the ranks run different numbers of forward passes (``micro_batch_size``)
-    or take different decisions about a step (``skip_nonfinite``) are
-    refused. Only the module (``module_``) is sharded; the optimizer must
+    ``predict``, which must be called on every rank. With
+    ``micro_batch_size='auto'``, a pass that runs out of memory on one rank
+    is finished as a zero-row pass, and every rank backs off to the same
+    size; with ``skip_nonfinite``, the ranks skip a step if any shard is not
+    finite. Only the module (``module_``) is sharded; the optimizer must
     hold its parameters only.
 
-    The net's ``mixed_precision='bf16'`` becomes FSDP's
+    The net's ``mixed_precision`` becomes FSDP's
     :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters are
-    gathered and used in bfloat16, gradients reduced in float32 and the
-    sharded parameters kept in their own dtype, and no autocast is used.
-    ``mixed_precision='fp16'`` is refused.
+    gathered and used in bfloat16 or float16, gradients reduced in float32
+    and the sharded parameters kept in their own dtype, and no autocast is
+    used. With ``'fp16'``, a
+    :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
+    scales the losses and all-reduces whether any shard overflowed. Each
+    backward is weighted by its item count, so the scale settles that many
+    times lower than in one process, and the first steps may be skipped.
 
     .. note::
 
@@ -331,21 +388,6 @@ class FullyShardedGradAccMixin:
             raise ValueError(
                 "shard_classes must be None or a list of module classes or "
                 "class names, got {!r} instead.".format(classes))
-        if self.micro_batch_size is not None:
-            raise ValueError(
-                "micro_batch_size must be None with FullyShardedGradAccMixin, "
-                "got {!r}: every rank must run the same forward passes."
-                .format(self.micro_batch_size))
-        if self.skip_nonfinite:
-            raise ValueError(
-                "skip_nonfinite must be False with FullyShardedGradAccMixin, "
-                "got True: each rank sees only its own gradient shard.")
-        if self.mixed_precision not in (None, 'bf16'):
-            raise ValueError(
-                "mixed_precision must be None or 'bf16' with "
-                "FullyShardedGradAccMixin, got {!r}: 'bf16' uses FSDP's "
-                "MixedPrecisionPolicy, and 'fp16' would need a sharded "
-                "GradScaler.".format(self.mixed_precision))
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "FullyShardedGradAccMixin needs the default process group: "
@@ -376,101 +418,31 @@ class FullyShardedGradAccMixin:
         self._check_fsdp_params()
         super().initialize_module()
         if isinstance(self.module_, FSDPModule):
-            self.comm_state_ = FullyShardedSync(self.module_)
             return self
         # fully_shard moves each unit to the mesh's device as it shards it,
         # so that the whole module never has to fit there
         kwargs = {'mesh': self._mesh()}
-        if self.mixed_precision == 'bf16':
+        if self.mixed_precision is not None:
             kwargs['mp_policy'] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                param_dtype=AUTOCAST_DTYPES[self.mixed_precision],
+                reduce_dtype=torch.float32)
         self.module_ = shard_module(self.module_, self.shard_classes, **kwargs)
-        self.comm_state_ = FullyShardedSync(self.module_)
         return self
 
+    def make_engine(self):
+        """Return the FSDP2 engine of the sharded module."""
+        if isinstance(self.module_, FSDPModule):
+            return FullyShardedEngine(self.module_, self.sync_each_batch)
+        return super().make_engine()
+
     def _autocast(self):
-        # mixed_precision='bf16' is FSDP's MixedPrecisionPolicy, not autocast
+        # mixed_precision is FSDP's MixedPrecisionPolicy, not autocast
         return contextlib.nullcontext()
 
-    # The step
-
-    def _step_pieces(self, group):
-        """Yield ``(micro_batch, is_last)`` for ``group.passes`` passes.
-
-        This rank's micro-batches of the step, then zero-row ones until the
-        step has as many forward and backward passes as on the rank with the
-        most: every pass gathers parameters from all ranks.
-        """
-        template, pulled = None, 0
-        for index, micro in enumerate(group.micro_batches()):
-            if index >= group.passes:
-                raise RuntimeError(
-                    "The training iterator yielded more micro-batches than its "
-                    "length says; its sampler's __len__ must match what it "
-                    "yields.")
-            if template is None:
-                template = zero_rows(micro)
-            group.rows_in_flight = batch_len(micro)
-            pulled += 1
-            yield micro, index == group.passes - 1
-            del micro
-        for index in range(pulled, group.passes):
-            yield template, index == group.passes - 1
-
-    def _accumulate_gradients(self, group, **fit_params):
-        """Run the step's passes; reduce-scatter; normalize globally.
-
-        ``.grad`` ends as this rank's shard of the gradient of the mean loss
-        over the step's items on all ranks. Unlike
-        :class:`~skorch_gradacc.GradAccMixin`, which rescales ``.grad``
-        whenever the item count changes, each backward is weighted by its
-        count: FSDP2 keeps the unsharded gradient of a step in progress out
-        of reach, and a micro-batch without items must still run its pass.
-        See the class docstring.
-        """
-        sync = gradient_sync(self)
-        keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
-        losses, y_preds = [], []
-        summed = None  # whether the loss is a sum (count_loss_items is None)
-        total = 0.0  # the step's item count on this rank
-        for piece, is_last in self._step_pieces(group):
-            count = self.count_loss_items(piece)
-            if summed is None:
-                summed = count is None
-            elif summed != (count is None):
-                raise ValueError(
-                    "count_loss_items returned None for some micro-batches "
-                    "but not for others; got {!r}.".format(count))
-            weight = 1.0 if summed else float(count)
-            total += weight
-            if is_last:  # this backward reduce-scatters the step's sum
-                sync.set_unit(None if summed else 1.0)
-            self.loss_weight_, self.loss_weighted_ = weight, False
-            try:
-                with sync.context(is_last or self.sync_each_batch):
-                    step = self.train_step_single(piece, **fit_params)
-            finally:
-                self.loss_weight_ = None
-            if not self.loss_weighted_:
-                raise RuntimeError(
-                    "FullyShardedGradAccMixin weights each micro-batch's "
-                    "gradient in get_loss; an override of train_step_single "
-                    "must compute the loss with self.get_loss(..., "
-                    "training=True), and an override of get_loss must call "
-                    "super().get_loss.")
-            if weight and batch_len(piece):  # zero rows: the loss may be NaN
-                losses.append(weight * step['loss'].detach())
-            if keep_y_pred and batch_len(piece):
-                y_preds.append(detach_outputs(step['y_pred']))
-            del step, piece  # frees the piece's graph and outputs
-
-        loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
-        # the step's one small all-reduce; the gradient shards are divided
-        loss = sync.end_step(self, group, total, loss_sum, summed)
-        y_pred = None
-        if y_preds:
-            y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
-        return {'loss': loss, 'y_pred': y_pred}
+    def _make_grad_scaler(self):
+        # every rank unscales its shards; the scaler all-reduces whether any
+        # was not finite, so that all ranks step or skip alike
+        return ShardedGradScaler(self._device_type())
 
     # Checkpoints: one full, unsharded copy
 
@@ -539,35 +511,15 @@ class FullyShardedGradAccMixin:
         files = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer,
                      f_criterion=f_criterion, f_history=f_history)
         modules, _ = _check_f_arguments('save_params', **files)
-        self.full_states_ = {
+        self._full_states_ = {
             attr: self._full_state_dict(attr) for attr in modules
             if self._is_sharded(attr) and getattr(self, 'initialized_', False)}
         try:
             if dist.get_rank() == 0:
                 super().save_params(use_safetensors=use_safetensors, **files)
         finally:
-            self.full_states_ = None
+            self._full_states_ = None
         dist.barrier()  # the files are there for every rank
-
-    def get_loss(self, y_pred, y_true, X=None, training=False):
-        """Return the loss; in training its gradient is weighted by its count.
-
-        The value is the loss itself; ``backward`` computes the gradient of
-        the loss times the micro-batch's item count, so that the
-        reduce-scatter sums comparable gradients over the ranks.
-        """
-        loss = super().get_loss(y_pred, y_true, X=X, training=training)
-        weight = getattr(self, 'loss_weight_', None) if training else None
-        if weight is None:
-            return loss
-        self.loss_weighted_ = True
-        if weight == 0:
-            # no items (e.g. zero rows): a zero gradient through every unit,
-            # so that each one reduce-scatters, not the loss's, maybe NaN
-            weighted = sum(0 * out.sum() for out in _tensors(y_pred))
-        else:
-            weighted = loss * weight
-        return loss.detach() + (weighted - weighted.detach())
 
 
 class _FullState:
@@ -582,19 +534,7 @@ class _FullState:
         self.attr = attr
 
     def state_dict(self):
-        return self.net.full_states_[self.attr]
+        return self.net._full_states_[self.attr]
 
     def load_state_dict(self, state_dict):
         self.net._load_full_state_dict(self.attr, state_dict)
-
-
-def _tensors(output):
-    """Yield the tensors of a module output (a tensor or a nest of them)."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, dict):
-        for value in output.values():
-            yield from _tensors(value)
-    elif isinstance(output, (tuple, list)):
-        for value in output:
-            yield from _tensors(value)

@@ -1,9 +1,12 @@
 """Weighting the micro-batches of a group by the items their losses average.
 
 Used by :class:`~skorch_gradacc.GradAccMixin` and by
-:class:`~skorch_gradacc.AccumGrad`, so that both normalize the same way:
-:class:`ItemCounts` keeps a group's counts and rescales ``.grad`` in place,
-and :func:`scale_gradients` multiplies gradients by a number or by a tensor.
+:class:`~skorch_gradacc.AccumGrad`, so that both check and weight counts
+the same way: :class:`ItemCounts` keeps a group's counts and gives each
+micro-batch's weight (the net weights its loss's gradient by it) or rescales
+``.grad`` in place (:class:`~skorch_gradacc.AccumGrad`, which never sees
+the loss), and :func:`scale_gradients` multiplies gradients by a number or
+by a tensor.
 
 Counts are Python numbers or tensors. A tensor count on an accelerator,
 e.g. a token count ``(y != -100).sum()`` on the GPU, is never read on the
@@ -11,6 +14,9 @@ host: all the bookkeeping is done with tensor operations on its device, so
 that the host never waits for the device because of a count. A tensor on
 the CPU is read, which costs nothing of the kind.
 """
+
+import math
+import numbers
 
 import torch
 
@@ -21,39 +27,45 @@ class ItemCounts:
     """The item counts of one group of micro-batches and the unit of ``.grad``.
 
     ``.grad`` holds ``sum_j (w_j / u) * g_j``: ``g_j`` is the gradient of
-    micro-batch ``j``'s mean loss, ``w_j`` its weight and ``u`` the unit,
-    the last positive count. The weight of a micro-batch is its count
-    ``c_j`` when that is positive. A micro-batch with a count of 0 has no
-    item: it adds nothing to the large batch's mean, so its gradient must be
-    zero (:class:`torch.nn.CrossEntropyLoss` with every target ignored has a
-    zero gradient), or its backward skipped (see :meth:`add`).
+    micro-batch ``j``'s mean loss, ``w_j`` its count ``c_j`` and ``u`` the
+    unit. A micro-batch with a count of 0 has no item: it adds nothing to
+    the large batch's mean, so its gradient must be zero, or its backward
+    skipped (see :meth:`add`). :meth:`factor` is ``u / C``, ``C`` the
+    group's total: what makes ``.grad`` the gradient of the mean.
 
-    :meth:`add` is called before each micro-batch's backward and rescales
-    ``.grad`` in place when the unit changes, so that no second copy of the
-    gradients is needed; :meth:`normalize` multiplies by ``u / C``, ``C``
-    the group's total, once at the end.
+    Without ``rescale`` (the net), the unit is fixed: ``unit``, or the first
+    positive count, and :attr:`weight` is ``c_j / u``, what the micro-batch's
+    loss is multiplied by for its backward. With ``rescale``
+    (:class:`~skorch_gradacc.AccumGrad`), the unit is the last positive
+    count, and :meth:`add` rescales ``.grad`` in place when it changes.
 
     * Python numbers are compared on the host: equal counts cost nothing
       until the end.
     * Tensor counts on a device (any but those in :attr:`host_devices`)
-      are never read on the host. Each one rescales the gradients by a
-      tensor factor (1 when the unit does not change), and the unit and the
-      total are tensors on the count's device, in float64 (float32 on MPS).
-      A tensor count of 0 cannot be detected without a device
+      are never read on the host: weights, factors, the unit and the total
+      are tensors on the count's device, in float64 (float32 on MPS). A
+      tensor count of 0 cannot be detected without a device
       synchronization, so its micro-batch's backward always runs.
     * Tensors on the CPU are read with ``item()``, which does not wait for
       any device, and counted as Python numbers.
 
     Parameters
     ----------
-    scale : callable
-      ``scale(factor)`` multiplies all gradients in place by a number or a
-      one-element tensor.
+    rescale : callable or None (default=None)
+      ``rescale(factor)`` multiplies all gradients in place by a number or
+      a one-element tensor.
 
     zero : callable or None (default=None)
-      ``zero()`` clears the gradients. If given, the gradient of item-less
-      micro-batches with Python counts, held since the start of the group,
-      is cleared when the first item arrives.
+      ``zero()`` clears the gradients. With ``rescale``, the gradient of
+      item-less micro-batches with Python counts, held since the start of
+      the group, is cleared when the first item arrives.
+
+    unit : float or None (default=None)
+      A fixed unit, the same on every rank (FSDP2, which cannot rescale
+      before its reduce-scatter); None: the first positive count.
+
+    name : str (default='count')
+      What a bad count is called in the error message.
 
     Attributes
     ----------
@@ -66,6 +78,9 @@ class ItemCounts:
     total : float or tensor
       The group's item count so far.
 
+    weight : float, tensor or None
+      The weight of the micro-batch last added (None: a summed loss).
+
     host_devices : frozenset of str
       The device types whose tensor counts are read on the host (class
       attribute).
@@ -74,15 +89,42 @@ class ItemCounts:
 
     host_devices = frozenset({'cpu'})
 
-    def __init__(self, scale, zero=None):
-        self.scale = scale
+    def __init__(self, rescale=None, zero=None, unit=None, name='count'):
+        self.rescale = rescale
         self.zero = zero
+        self.name = name
         self.summed = None
-        self.unit = None
+        self.unit = unit
         self.total = 0.0
+        self.weight = None
         self._count = None  # the count of the micro-batch in progress
         self._zeros_held = False  # .grad holds gradients of item-less ones
         self._losses = []
+
+    def check(self, count, summed_ok=True):
+        """Return ``count``, read on the host if it is on the CPU, or raise.
+
+        A ValueError names :attr:`name` and the value of a count that is
+        not a number of items (0 or more, finite), a one-element tensor of
+        numbers, or None (if ``summed_ok``).
+        """
+        if isinstance(count, torch.Tensor):
+            if (count.numel() != 1 or count.dtype == torch.bool
+                    or count.is_complex()):
+                raise ValueError(
+                    "{} must be a number or a one-element tensor of numbers, "
+                    "got a tensor of shape {} and dtype {} instead.".format(
+                        self.name, tuple(count.shape), count.dtype))
+            if count.device.type not in self.host_devices:
+                return count  # never read: no waiting for the device
+            count = count.item()
+        if (count is not None or not summed_ok) and (
+                not isinstance(count, numbers.Real) or isinstance(count, bool)
+                or not math.isfinite(count) or count < 0):
+            raise ValueError(
+                "{} must be a number of items, 0 or more, got {!r} instead."
+                .format(self.name, count))
+        return count
 
     def add(self, count, skippable=False):
         """Count the coming micro-batch; call it before its backward.
@@ -91,7 +133,7 @@ class ItemCounts:
         ----------
         count : int, float, one-element tensor or None
           The number of items that the micro-batch's loss averages over;
-          None if the loss is a sum, in which case nothing is rescaled.
+          None if the loss is a sum, in which case nothing is weighted.
 
         skippable : bool (default=False)
           Whether the caller can skip the micro-batch's backward.
@@ -103,6 +145,7 @@ class ItemCounts:
           after items were seen: the micro-batch adds nothing.
 
         """
+        count = self.check(count)
         summed = count is None
         if self.summed is None:
             self.summed = summed
@@ -111,26 +154,29 @@ class ItemCounts:
                 "count_loss_items returned None for some micro-batches but "
                 "not for others; got {!r}.".format(count))
         if summed:
+            self.weight = None
             return True
-        if (isinstance(count, torch.Tensor)
-                and count.device.type in self.host_devices
-                and not isinstance(self.total, torch.Tensor)):
-            count = count.item()  # no device to wait for
         if isinstance(count, torch.Tensor) or isinstance(
                 self.total, torch.Tensor):
             self._add_tensor(count)
             return True
         count = self._count = float(count)
         if not count:
+            self.weight = 0.0
             if skippable and self.unit is not None:
                 return False
             self._zeros_held = True
             return True
-        if self.unit is None and self._zeros_held and self.zero is not None:
+        if self.rescale is None:
+            if self.unit is None:
+                self.unit = count
+        elif self.unit is None and self._zeros_held and self.zero is not None:
             self.zero()  # as if the item-less micro-batches were not there
         elif self.unit is not None and count != self.unit:
-            self.scale(self.unit / count)
-        self.unit = count
+            self.rescale(self.unit / count)
+        if self.rescale is not None:
+            self.unit = count
+        self.weight = count / self.unit
         self.total += count
         return True
 
@@ -148,12 +194,13 @@ class ItemCounts:
         positive = count > 0
         if self.unit is None:
             self.unit = torch.where(positive, count, 1.0)
-        else:
+        elif self.rescale is not None:
             unit = (self.unit if isinstance(self.unit, torch.Tensor)
                     else self.total.new_full((), self.unit))
             # unit / 0 is inf, never selected
-            self.scale(torch.where(positive, unit / count, 1.0))
+            self.rescale(torch.where(positive, unit / count, 1.0))
             self.unit = torch.where(positive, count, unit)
+        self.weight = count / self.unit  # 0 without items: the unit is > 0
         self.total = self.total + count
         self._count = count
 
@@ -232,7 +279,7 @@ class ItemCounts:
         """Multiply ``.grad`` by :meth:`factor`; once, after the last backward."""
         factor = self.factor()
         if isinstance(factor, torch.Tensor) or factor != 1:
-            self.scale(factor)
+            self.rescale(factor)
 
 
 def scale_gradients(grads, factor):

@@ -17,30 +17,34 @@ Where things happen, in one place each:
   :meth:`GradAccMixin.accumulate_gradients`;
 * autocast, loss scaling and whether a step is skipped (``mixed_precision``,
   ``skip_nonfinite``): :mod:`skorch_gradacc.precision`;
-* ``no_sync`` and the normalizing all-reduce of a module wrapped in
-  DistributedDataParallel: :mod:`skorch_gradacc.distributed`.
+* what differs between one process, DDP and FSDP2 (which micro-batches a
+  rank takes, the context of each backward, the sum over ranks, the end of
+  the step): the net's engine, :meth:`GradAccMixin.get_engine` and
+  :mod:`skorch_gradacc.engine`.
 """
 
-import contextlib
+import functools
 import inspect
 import math
-import numbers
 import sys
+import types
 
 import numpy as np
 import torch
 from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
+from torch.utils.data import DistributedSampler
 
 from skorch_gradacc.batch_reads import callback_reads, warn_undeclared_reads
 from skorch_gradacc.batching import (
     batch_len,
     concat_outputs,
     detach_outputs,
+    is_positive_int,
     split_batch,
 )
-from skorch_gradacc.distributed import gradient_sync
-from skorch_gradacc.grouping import MicroBatchGroup, MicroBatchGroups
+from skorch_gradacc.engine import DataParallelEngine, Engine, engine_for
+from skorch_gradacc.grouping import MicroBatchGroup
 from skorch_gradacc.item_counts import ItemCounts, scale_gradients
 from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
@@ -74,12 +78,12 @@ class GradAccMixin(StepDecisionMixin):
       like any other, before validation; nothing carries over into the next
       epoch.
     * :meth:`accumulate_gradients` runs ``train_step_single`` (forward and
-      ``backward``) on each micro-batch. The gradients add up, weighted by
-      the number of items each micro-batch's loss averages over (see
-      :meth:`count_loss_items`) and divided by the group's total, so a
-      short micro-batch or a partial group is weighted exactly as in the
-      large batch's mean. A criterion with ``reduction='sum'`` is not
-      rescaled at all. The loss is never touched.
+      ``backward``) on each micro-batch. The gradients add up, each
+      weighted by the number of items its micro-batch's loss averages over
+      (see :meth:`count_loss_items`), and are divided by the group's total
+      once, so a short micro-batch or a partial group is weighted exactly
+      as in the large batch's mean. A criterion with ``reduction='sum'`` is
+      not weighted at all. The loss's value is never touched.
     * ``on_grad_computed`` is notified once per step with the whole,
       normalized gradient, then all optimizers step once. The reported
       ``loss`` is the group's mean loss, never a divided one.
@@ -143,6 +147,10 @@ class GradAccMixin(StepDecisionMixin):
 
     grad_scaler_ : torch.amp.GradScaler or None
       The GradScaler of ``mixed_precision='fp16'``.
+
+    engine_ : skorch_gradacc.engine.Engine
+      What the step of this net's module needs of its engine (one
+      process, DDP, FSDP2), set at the first step; see :meth:`get_engine`.
 
     step_skipped_ : bool
       Whether the last training step was skipped.
@@ -209,13 +217,13 @@ class GradAccMixin(StepDecisionMixin):
         self._check_grad_acc_params()
 
     def _check_grad_acc_params(self):
-        if not _is_positive_int(self.acc_steps):
+        if not is_positive_int(self.acc_steps):
             raise ValueError(
                 "acc_steps must be a positive integer, got {!r} instead."
                 .format(self.acc_steps))
         micro_batch_size = self.micro_batch_size
         if not (micro_batch_size is None or micro_batch_size == 'auto'
-                or _is_positive_int(micro_batch_size)):
+                or is_positive_int(micro_batch_size)):
             raise ValueError(
                 "micro_batch_size must be None, 'auto' or a positive integer, "
                 "got {!r} instead.".format(micro_batch_size))
@@ -446,27 +454,50 @@ class GradAccMixin(StepDecisionMixin):
         """Whether training needs the group loop; else it is plain skorch's."""
         return (self.get_acc_steps() != 1 or self.micro_batch_size is not None
                 or self._decides_step() or self.mixed_precision is not None
-                or gradient_sync(self) is not None)
+                or isinstance(self.get_engine(), DataParallelEngine))
+
+    def get_engine(self):
+        """Return the engine of the module: what differs in a step.
+
+        The engine (:mod:`skorch_gradacc.engine`) says which micro-batches
+        this rank takes, the context of each backward, how the gradients
+        are summed over ranks and how the step ends. It is kept in
+        ``engine_``, and made anew for a new ``module_``: a
+        :class:`~skorch_gradacc.engine.DDPEngine` for a module wrapped in
+        DistributedDataParallel (by
+        :class:`~skorch_gradacc.DistributedGradAccMixin` or by skorch's
+        ``AccelerateMixin``), else the single process's. An engine's mixin
+        overrides :meth:`make_engine`.
+        """
+        engine = getattr(self, 'engine_', None)
+        if engine is None or engine.module is not getattr(self, 'module_', None):
+            engine = self.engine_ = self.make_engine()
+        return engine
+
+    def make_engine(self):
+        """Return a new engine for ``module_``; see :meth:`get_engine`."""
+        return engine_for(getattr(self, 'module_', None))
 
     def run_single_epoch(self, iterator, training, prefix, step_fn,
                          **fit_params):
         """Run skorch's epoch; in training, over groups of micro-batches.
 
-        The training iterator is wrapped in
-        :class:`~skorch_gradacc.grouping.MicroBatchGroups`, so that skorch's
-        loop, history and callbacks see one batch per optimizer step.
+        The training iterator is wrapped in the engine's groups
+        (:class:`~skorch_gradacc.grouping.MicroBatchGroups` in one process),
+        so that skorch's loop, history and callbacks see one batch per
+        optimizer step. A training iterator's
+        :class:`~torch.utils.data.DistributedSampler` gets ``set_epoch``.
 
         """
+        sampler = getattr(iterator, 'sampler', None)
+        if training and isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(len(self.history))
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
-            self.keep_train_y_pred_ = needed['y_pred']
-            keep = dict(keep=needed['batch'], keep_targets=needed['y'])
-            sync = gradient_sync(self)
-            if sync is None:
-                iterator = MicroBatchGroups(iterator, self.get_acc_steps(),
-                                            **keep)
-            else:  # this rank's share of each step
-                iterator = sync.groups(iterator, self.get_acc_steps(), **keep)
+            self._keep_train_y_pred_ = needed['y_pred']
+            iterator = self.get_engine().groups(
+                iterator, self.get_acc_steps(), keep=needed['batch'],
+                keep_targets=needed['y'])
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
 
@@ -578,20 +609,24 @@ class GradAccMixin(StepDecisionMixin):
     def accumulate_gradients(self, group, **fit_params):
         """Compute the gradient of a whole group, one micro-batch at a time.
 
-        Runs ``train_step_single`` (forward and backward) on each micro-batch
-        of ``group``, or on pieces of ``micro_batch_size`` rows. ``.grad``
-        holds ``sum_j (c_j / u) * g_j``, with ``c_j`` the item count of piece
-        ``j`` (:meth:`count_loss_items`), ``g_j`` the gradient of its mean
-        loss, and ``u`` the last count seen: it is rescaled in place only
-        when the count changes, and once at the end by ``u / C``, ``C`` the
-        group's total. The result is the gradient of the mean loss over all
-        items of the group, while one micro-batch is held at a time.
-        Overridden ``train_step_single`` and ``get_loss`` methods are used
-        as they are; the loss is never touched.
+        The one loop of every engine (:meth:`get_engine`). Runs
+        ``train_step_single`` (forward and backward) on each micro-batch of
+        ``group``, or on pieces of ``micro_batch_size`` rows, in the passes
+        and backward contexts of the engine. The backward of piece ``j``
+        computes the gradient of its loss times ``c_j / u``: ``c_j`` is its
+        item count (:meth:`count_loss_items`), ``u`` the unit (the first
+        positive count; see :class:`~skorch_gradacc.item_counts.ItemCounts`),
+        applied as the loss leaves ``get_loss``; its value is untouched. The
+        engine's :meth:`~skorch_gradacc.engine.Engine.end_step` divides once
+        by the step's total count. The result is the gradient of the mean
+        loss over all items of the group (on all ranks), while one
+        micro-batch is held at a time. Overridden ``train_step_single`` and
+        ``get_loss`` methods are used as they are, as long as the loss
+        comes from ``get_loss``.
 
-        With ``micro_batch_size='auto'``, an out-of-memory error zeroes the
-        gradient, restores the modules' buffers, halves the pieces and
-        starts the group again.
+        With ``micro_batch_size='auto'``, an out-of-memory error (on any
+        rank) zeroes the gradient, restores the modules' buffers, halves the
+        pieces and starts the group again.
 
         Parameters
         ----------
@@ -611,31 +646,152 @@ class GradAccMixin(StepDecisionMixin):
         """
         buffers = self._snapshot_buffers()
         while True:
-            self.piece_records_ = []
+            self._piece_records_ = []
             try:
                 step = self._accumulate_gradients(group, **fit_params)
-            except _OUT_OF_MEMORY_ERRORS:
+            except _OUT_OF_MEMORY_ERRORS as error:
                 if self.micro_batch_size != 'auto':
                     raise
+                size = getattr(error, 'micro_batch_size', None)
             else:
                 self._merge_piece_records()
                 return step
             # outside the except block, so that the failed attempt's
             # tensors, held by the traceback, are freed
-            self._back_off_micro_batch_size(group, buffers)
+            self.get_engine().discard_gradient(functools.partial(
+                self._train_piece, counts=_NO_ITEMS, is_last=True,
+                **fit_params))
+            self._back_off_micro_batch_size(group, buffers, size)
 
-    def _train_piece(self, piece, count, **fit_params):
-        """Run ``train_step_single`` on one piece; note what it recorded.
+    def _accumulate_gradients(self, group, **fit_params):
+        engine = self.get_engine()
+        keep_y_pred = getattr(self, '_keep_train_y_pred_', False)
+        y_preds = []
+        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)')
+        for piece, is_last in engine.passes(self._pieces(group)):
+            if not counts.add(self.count_loss_items(piece),
+                              skippable=engine.may_skip(is_last)):
+                # no item: adds nothing to the mean that the large batch takes
+                if keep_y_pred:
+                    y_preds.append(self._infer_without_grad(
+                        piece, **fit_params))
+                del piece
+                continue
+            if is_last:
+                engine.set_unit(None if counts.summed else (
+                    0.0 if counts.unit is None else counts.unit))
+            try:
+                step = self._train_piece(piece, counts, is_last, **fit_params)
+            except _OUT_OF_MEMORY_ERRORS:
+                if self.micro_batch_size == 'auto':
+                    # the other ranks run this pass's collectives, and learn
+                    # of the error: so must this one
+                    engine.after_error(functools.partial(
+                        self._train_piece, counts=_NO_ITEMS, is_last=is_last,
+                        **fit_params), self._backed_off_size(group))
+                raise
+            counts.add_loss(step['loss'].detach())
+            if keep_y_pred and batch_len(piece):
+                y_preds.append(detach_outputs(step['y_pred']))
+            del step, piece  # frees the piece's graph and outputs
+        loss = engine.end_step(self, group, counts)
+        self._unscale_gradients()  # callbacks see true gradients
+        y_pred = None
+        if y_preds:
+            y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
+        return {'loss': loss, 'y_pred': y_pred}
 
-        Values that ``train_step_single``, ``get_loss`` or ``infer`` record in
-        the batch's history row are noted with the piece's item count, and
-        combined by :meth:`_merge_piece_records` once the group is done.
+    def _pieces(self, group):
+        """Yield ``(piece, is_last)`` for the micro-batches of ``group``.
+
+        A piece is a micro-batch, or a part of ``micro_batch_size`` rows.
+        """
+        size = self.get_micro_batch_size()
+        for index, micro in enumerate(group.micro_batches()):
+            group.rows_in_flight = batch_len(micro)
+            pieces = ([micro] if size is None or group.rows_in_flight <= size
+                      else split_batch(micro, size))
+            del micro  # held by pieces until the next one is pulled
+            last = len(pieces) - 1
+            for number in range(len(pieces)):
+                yield pieces[number], number == last and group.is_last(index)
+            del pieces
+
+    def _train_piece(self, piece, counts, is_last, **fit_params):
+        """Run ``train_step_single`` on one piece, weighted by its count.
+
+        Runs in the engine's context and, with ``mixed_precision``, under
+        autocast. The training loss that ``train_step_single`` gets from
+        ``get_loss`` (overrides included) has the value of the loss, while
+        ``backward`` computes the gradient of the loss times the piece's
+        weight ``c / u`` (see :meth:`accumulate_gradients`), and with
+        ``mixed_precision='fp16'`` times the GradScaler's scale. A piece
+        without items (weight 0) gets a zero gradient through its outputs,
+        never through its loss, which may be NaN.
+
+        Values that ``train_step_single``, ``get_loss`` or ``infer`` record
+        in the batch's history row are noted with the piece's item count,
+        and combined by :meth:`_merge_piece_records` once the group is done.
         """
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
-        step = self._run_scaled(self.train_step_single, piece, **fit_params)
-        if row is not None and getattr(self, 'piece_records_', None) is not None:
-            self.piece_records_.append((count, {
+        weight, scaler = counts.weight, self._get_grad_scaler()
+        # a train_step_single that computes its loss without get_loss (seen
+        # on an earlier piece): in one process, .grad is rescaled instead
+        rescale = (getattr(counts, 'without_get_loss', False)
+                   and type(self.get_engine()) is Engine
+                   and not isinstance(weight, torch.Tensor)
+                   and weight not in (None, 0, 1))
+        if rescale:
+            scale_gradients(_grads_of(self), 1 / weight)
+            weight = 1.0
+        get_loss, calls = self.get_loss, []
+
+        def weighted_loss(y_pred, y_true, X=None, training=False):
+            loss = get_loss(y_pred, y_true, X=X, training=training)
+            if not training:
+                return loss
+            calls.append(True)
+            # in float32 at least: a float16 loss times its weight and scale
+            # may overflow, and its value must stay the loss's
+            base = (loss.float() if loss.dtype in (torch.float16, torch.bfloat16)
+                    else loss)
+            if not isinstance(weight, torch.Tensor) and weight == 0:
+                weighted = sum(0 * out.sum() for out in _tensors(y_pred))
+            elif isinstance(weight, torch.Tensor):
+                weighted = base * weight.to(base)
+            else:
+                weighted = base if weight in (None, 1) else base * weight
+            if scaler is not None:
+                weighted = scaler.scale(weighted)
+            if weighted is loss:
+                return loss  # nothing to weight or scale
+            # the value of the loss, the gradient of the weighted one
+            return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
+
+        own = vars(self).get('get_loss')  # e.g. a test's mock
+        self.get_loss = weighted_loss  # what train_step_single calls
+        try:
+            with self.get_engine().context(is_last), self._autocast():
+                step = self.train_step_single(piece, **fit_params)
+        finally:
+            if own is None:
+                del self.get_loss
+            else:
+                self.get_loss = own
+        if rescale:
+            scale_gradients(_grads_of(self), counts.weight)
+        if not calls and counts is not _NO_ITEMS:
+            counts.without_get_loss = True
+        weighted = isinstance(weight, torch.Tensor) or weight not in (None, 1)
+        if not calls and (weighted or scaler is not None):
+            raise RuntimeError(
+                "GradAccMixin weights each micro-batch's loss (and, with "
+                "mixed_precision='fp16', scales it) as it leaves get_loss; an "
+                "override of train_step_single must compute the loss with "
+                "self.get_loss(..., training=True).")
+        if row is not None and self._piece_records_ is not None:
+            self._piece_records_.append((counts.count, {
                 key: value for key, value in row.items()
                 if key not in before or before[key] is not value}))
         return step
@@ -654,7 +810,7 @@ class GradAccMixin(StepDecisionMixin):
         is: the mean weighted by :meth:`count_loss_items`, or the sum when
         the loss is a sum. Other values keep the last piece's.
         """
-        records, self.piece_records_ = self.piece_records_, []
+        records, self._piece_records_ = self._piece_records_, []
         row = self._current_batch_row()
         if row is None or len(records) < 2:
             return
@@ -672,67 +828,6 @@ class GradAccMixin(StepDecisionMixin):
                 merged = (sum(count * value for count, value in counted)
                           / sum(count for count, _ in counted))
             row[key] = merged
-
-    def _pieces(self, group):
-        """Yield ``(piece, is_last)`` for the micro-batches of ``group``.
-
-        A piece is a micro-batch, or a part of ``micro_batch_size`` rows.
-        """
-        size = self.get_micro_batch_size()
-        for index, micro in enumerate(group.micro_batches()):
-            group.rows_in_flight = batch_len(micro)
-            pieces = ([micro] if size in (None, -1)
-                      or group.rows_in_flight <= size
-                      else split_batch(micro, size))
-            del micro  # held by pieces until the next one is pulled
-            last = len(pieces) - 1
-            for number in range(len(pieces)):
-                yield pieces[number], number == last and group.is_last(index)
-            del pieces
-
-    def _accumulate_gradients(self, group, **fit_params):
-        sync = gradient_sync(self)
-        keep_y_pred = getattr(self, 'keep_train_y_pred_', False)
-        y_preds = []
-        counts = ItemCounts(self._scale_gradients, self._zero_grad_optimizer)
-
-        for piece, is_last in self._pieces(group):
-            syncs = sync is not None and is_last
-            if not counts.add(self.count_loss_items(piece), skippable=not syncs):
-                # no item: adds nothing to the mean that the large batch takes
-                if keep_y_pred:
-                    y_preds.append(self._infer_without_grad(
-                        piece, **fit_params))
-                del piece
-                continue
-            if syncs:  # this backward sums the gradient over all ranks
-                sync.set_unit(None if counts.summed else (
-                    0.0 if counts.unit is None else counts.unit))
-            with (contextlib.nullcontext() if sync is None
-                  else sync.context(syncs)):
-                step = self._train_piece(piece, counts.count, **fit_params)
-            counts.add_loss(step['loss'].detach())
-            if keep_y_pred:
-                y_preds.append(detach_outputs(step['y_pred']))
-            del step, piece  # frees the piece's graph and outputs
-
-        if sync is None:
-            counts.normalize()
-            loss = counts.loss()
-        else:  # over all ranks: normalize, and the mean loss
-            loss = sync.end_step(self, group, counts.total, counts.loss_sum(),
-                                 counts.summed)
-        self._unscale_gradients()  # callbacks see true gradients
-        y_pred = None
-        if y_preds:
-            y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
-        return {'loss': loss, 'y_pred': y_pred}
-
-    def _scale_gradients(self, factor):
-        """Multiply the gradients of all learnable parameters in place."""
-        grads = [param.grad for _, param in self.get_all_learnable_params()
-                 if param.grad is not None]
-        scale_gradients(grads, factor)
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
@@ -752,11 +847,22 @@ class GradAccMixin(StepDecisionMixin):
                 if isinstance(getattr(self, name + '_', None), torch.nn.Module)
                 for buffer in getattr(self, name + '_').buffers()]
 
-    def _back_off_micro_batch_size(self, group, buffers):
+    def _backed_off_size(self, group):
+        """Return half the rows of the piece that ran out of memory."""
+        rows = group.rows_in_flight
+        current = min(self.micro_batch_size_ or rows, rows)
+        if current <= 1:
+            raise RuntimeError(
+                "micro_batch_size='auto': a micro-batch of one row does not fit "
+                "in memory; use a smaller model or less data per row.")
+        return (current + 1) // 2
+
+    def _back_off_micro_batch_size(self, group, buffers, size=None):
         """Halve the pieces after an out-of-memory error and start again.
 
         As if the error had not happened: no gradient, and the modules'
-        buffers as they were before the group.
+        buffers as they were before the group. ``size``: the size that all
+        ranks agreed on, if another rank ran out of memory.
         """
         self._zero_grad_optimizer()
         with torch.no_grad():
@@ -764,13 +870,7 @@ class GradAccMixin(StepDecisionMixin):
                 buffer.copy_(saved)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        rows = group.rows_in_flight
-        current = min(self.micro_batch_size_ or rows, rows)
-        if current <= 1:
-            raise RuntimeError(
-                "micro_batch_size='auto': a micro-batch of one row does not fit "
-                "in memory; use a smaller model or less data per row.")
-        self.micro_batch_size_ = (current + 1) // 2
+        self.micro_batch_size_ = size or self._backed_off_size(group)
         # each back-off once, in the row of the batch that backed off
         row = self.history[-1]['batches'][-1]
         row['micro_batch_size_backoff'] = row.get(
@@ -814,7 +914,7 @@ class GradAccMixin(StepDecisionMixin):
         if pieces is None:
             return super().validation_step(batch, **fit_params)
         steps = []
-        counts = ItemCounts(scale=lambda factor: None)  # weighs losses only
+        counts = ItemCounts(name='count_loss_items(batch)')  # weighs losses
         for piece in pieces:
             counts.add(self.count_loss_items(piece))
             steps.append(super(GradAccMixin, self).validation_step(
@@ -866,6 +966,27 @@ def _as_skorch_step(step):
     return step
 
 
+def _grads_of(net):
+    return [param.grad for _, param in net.get_all_learnable_params()
+            if param.grad is not None]
+
+
+# the counts of a zero-row pass that stands in for a failed one
+_NO_ITEMS = types.SimpleNamespace(count=0.0, weight=0.0)
+
+
+def _tensors(output):
+    """Yield the tensors of a module output (a tensor or a nest of them)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, dict):
+        for value in output.values():
+            yield from _tensors(value)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _tensors(value)
+
+
 def _is_float(value):
     """Whether ``value`` is a float scalar: Python, numpy, or a 0-d tensor."""
     if isinstance(value, torch.Tensor):
@@ -873,11 +994,6 @@ def _is_float(value):
     if isinstance(value, np.ndarray):
         return value.ndim == 0 and np.issubdtype(value.dtype, np.floating)
     return isinstance(value, (float, np.floating))
-
-
-def _is_positive_int(value):
-    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            and value >= 1)
 
 
 def _combined_signature(cls):

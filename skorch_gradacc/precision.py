@@ -5,9 +5,10 @@ and holds, in one place:
 
 * autocast for each micro-batch's forward pass and loss
   (``mixed_precision='bf16'`` or ``'fp16'``);
-* the GradScaler of ``'fp16'``: every micro-batch's loss is scaled for
-  ``backward`` in :meth:`StepDecisionMixin.get_loss`, the gradient is
-  unscaled once per group, and the scaler steps and updates once per group;
+* the GradScaler of ``'fp16'`` (every micro-batch's loss is scaled for
+  ``backward`` in :meth:`skorch_gradacc.GradAccMixin._train_piece`): the
+  gradient is unscaled once per group, and the scaler steps and updates
+  once per group;
 * the check for inf/NaN gradients of ``skip_nonfinite``;
 * the step itself, entered through skorch's ``_step_optimizer`` as
   ``AccelerateMixin`` does: taken, or skipped with ``step_skipped_`` set;
@@ -43,7 +44,7 @@ class SkippedStepReport:
     @property
     def optimizer_step_was_skipped(self):
         """Whether the training batch that is ending skipped its step."""
-        return getattr(self.net, 'batch_step_skipped_', False)
+        return getattr(self.net, '_batch_step_skipped_', False)
 
 
 class _AcceleratorHook:
@@ -77,19 +78,19 @@ class StepDecisionMixin:
     def on_batch_begin(self, net, batch=None, training=False, **kwargs):
         """Nothing is skipped before a batch's step."""
         super().on_batch_begin(net, batch=batch, training=training, **kwargs)
-        self.batch_step_skipped_ = False
+        self._batch_step_skipped_ = False
 
     def on_batch_end(self, net, batch=None, training=False, **kwargs):
         """Report a skipped training step to the callbacks that follow."""
         super().on_batch_end(net, batch=batch, training=training, **kwargs)
         # the net's own hook runs before the callbacks' in skorch's notify
-        self.batch_step_skipped_ = bool(
+        self._batch_step_skipped_ = bool(
             training and getattr(self, 'step_skipped_', False))
 
     def on_epoch_end(self, net, **kwargs):
         """Epoch-level schedulers step whatever the last batch did."""
         super().on_epoch_end(net, **kwargs)
-        self.batch_step_skipped_ = False
+        self._batch_step_skipped_ = False
 
     def _decides_step(self):
         """Whether the net, not the optimizer alone, decides about each step."""
@@ -110,45 +111,11 @@ class StepDecisionMixin:
         if self.mixed_precision != 'fp16':
             return None
         if getattr(self, 'grad_scaler_', None) is None:
-            self.grad_scaler_ = torch.amp.GradScaler(self._device_type())
+            self.grad_scaler_ = self._make_grad_scaler()
         return self.grad_scaler_
 
-    def get_loss(self, y_pred, y_true, X=None, training=False):
-        """Return the loss; in fp16 training its gradient is scaled.
-
-        With ``mixed_precision='fp16'``, the training loss that is returned
-        has the value of the loss, so the history and the callbacks see the
-        true loss, while ``backward`` computes the gradient of the loss
-        multiplied by the GradScaler's scale.
-
-        """
-        loss = super().get_loss(y_pred, y_true, X=X, training=training)
-        scaler = self._get_grad_scaler() if training else None
-        if scaler is None:
-            return loss
-        self.scaled_losses_ = getattr(self, 'scaled_losses_', 0) + 1
-        scaled = scaler.scale(loss)
-        # the value of loss, the gradient of scaled
-        return loss.detach() + (scaled - scaled.detach())
-
-    def _run_scaled(self, fn, *args, **kwargs):
-        """Call ``fn`` (one micro-batch's forward and backward) under autocast.
-
-        With a GradScaler, check that the loss was scaled, i.e. that it came
-        from :meth:`get_loss`.
-
-        """
-        before = getattr(self, 'scaled_losses_', 0)
-        with self._autocast():
-            step = fn(*args, **kwargs)
-        if (self.mixed_precision == 'fp16'
-                and getattr(self, 'scaled_losses_', 0) == before):
-            raise RuntimeError(
-                "mixed_precision='fp16' scales the loss in get_loss; an "
-                "override of train_step_single must compute the loss with "
-                "self.get_loss(..., training=True), and an override of "
-                "get_loss must call super().get_loss.")
-        return step
+    def _make_grad_scaler(self):
+        return torch.amp.GradScaler(self._device_type())
 
     def _unscale_gradients(self):
         """Undo the GradScaler's scale, once per group, before callbacks."""
@@ -161,10 +128,10 @@ class StepDecisionMixin:
     def _gradients_are_finite(self):
         grads = [param.grad for _, param in self.get_all_learnable_params()
                  if param.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([torch.isfinite(grad).all() for grad in grads])
-                    .all())
+        finite = not grads or bool(
+            torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
+        # every rank decides alike, also with gradient shards (FSDP2)
+        return self.get_engine().all_ranks(finite)
 
     def _step_optimizer(self, step_fn):
         """Step all optimizers, unless the step is to be skipped.

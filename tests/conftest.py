@@ -170,13 +170,13 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
 # Modules whose every test starts processes, clusters or whole trainings:
 # marked slow here, in one place, so that `python -m pytest -m "not slow"`
 # is a quick inner loop. CI runs everything. In the other modules, a slow
-# test is marked on its own (test_docs, test_packaging, test_readme), and a
-# quick test of a slow module's subject lives in a module of its own
-# (test_sharding beside test_distributed).
+# test is marked on its own (test_docs, test_packaging, test_readme, and the
+# torchrun tests of test_distributed and test_fully_sharded), and a quick
+# test of a slow module's subject lives in a module of its own (test_sharding
+# beside test_distributed).
 SLOW_MODULES = {
-    'test_benchmarks', 'test_dask', 'test_demo', 'test_distributed',
-    'test_fully_sharded', 'test_notebooks', 'test_properties',
-    'test_sklearn_checks', 'test_skorch_suite', 'test_stream_memory',
+    'test_benchmarks', 'test_dask', 'test_demo', 'test_notebooks',
+    'test_properties', 'test_sklearn_checks', 'test_skorch_suite', 'test_stream_memory',
     'test_transformers_recipe',
 }
 

@@ -339,17 +339,6 @@ def test_criterion_under_another_name_is_counted(clf_data):
     assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
 
-@pytest.mark.parametrize('name, args', [
-    ('GradAccProgressBar', ()),
-    ('GradAccLRScheduler', ('StepLR',)),
-])
-def test_step_aware_callbacks_are_deprecated(name, args):
-    import skorch_gradacc
-
-    with pytest.warns(FutureWarning, match=name + ' is deprecated'):
-        getattr(skorch_gradacc, name)(*args)
-
-
 def test_memory_page_gives_the_warnings_words():
     from pathlib import Path
 

@@ -84,6 +84,7 @@ def classifier(n_samples, **kwargs):
                           lr=0.1, optimizer__momentum=0.9, **kwargs)
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_rows_that_fill_no_whole_step_leave_a_rank_empty(tmp_path):
     ranks = run_ranks(tmp_path, 'samples')
@@ -97,6 +98,17 @@ def test_rows_that_fill_no_whole_step_leave_a_rank_empty(tmp_path):
     assert_same_as_single_process(ranks, classifier(195))
 
 
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_out_of_memory_on_one_rank_backs_off_and_replays(tmp_path):
+    # micro_batch_size='auto' where only rank 1 runs out of memory above 4
+    # rows: it backs off and replays, and the update is unchanged
+    ranks = run_ranks(tmp_path, 'auto')
+    assert ranks[1]['micro_batch_size_'] == 4
+    assert_same_as_single_process(ranks, classifier(195))
+
+
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_shuffled_data_over_two_epochs(tmp_path):
     # the ranks are seeded differently; every rank draws rank 0's order,
@@ -107,6 +119,7 @@ def test_shuffled_data_over_two_epochs(tmp_path):
         ranks, classifier(203, iterator_train__shuffle=True))
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(tmp_path):
     # token counts differ between ranks in every step; averaging the ranks'
@@ -123,6 +136,7 @@ def test_uneven_item_counts_are_normalized_globally(tmp_path):
     assert_same_as_single_process(ranks, net)
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_bucketing_batch_sampler_with_dynamic_padding(tmp_path):
     # micro-batches of 4 sequences of similar lengths, padded to their own
@@ -138,6 +152,7 @@ def test_bucketing_batch_sampler_with_dynamic_padding(tmp_path):
     assert_same_as_single_process(ranks, net)
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_iterable_dataset_of_micro_batches(tmp_path):
     # no length: every rank reads the stream and keeps its own micro-batches
@@ -150,6 +165,7 @@ def test_iterable_dataset_of_micro_batches(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_nccl_on_every_gpu_matches_single_process(tmp_path):
     # NCCL refuses collectives on CPU tensors: the count, loss and rows of
@@ -161,6 +177,7 @@ def test_nccl_on_every_gpu_matches_single_process(tmp_path):
         ranks, classifier(195, batch_size=BATCH_SIZE * ACC_STEPS * n_gpus))
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_a_failing_rank_does_not_hang(tmp_path):
     proc = torchrun(tmp_path, 'raise')
@@ -170,6 +187,7 @@ def test_a_failing_rank_does_not_hang(tmp_path):
     # a hang would have raised subprocess.TimeoutExpired in torchrun
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_accelerate_mixin_under_torchrun(tmp_path):
     pytest.importorskip('accelerate')
@@ -184,6 +202,7 @@ def test_accelerate_mixin_under_torchrun(tmp_path):
     assert_params_equal(ranks[1]['params'], net)
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
     # the docs' train.py is a literal block, run here as the page says, with
@@ -209,6 +228,7 @@ def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
     assert (tmp_path / 'params.pt').exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_checks_dry_run():
     # benchmarks/gpu_checks.py runs on a GPU only when one is lent; its dry

@@ -361,7 +361,7 @@ def test_allreduces_per_step_are_as_documented(tmp_path, monkeypatch):
         dist.destroy_process_group()
     steps = sum(net.history[:, 'train_batch_count'])
     assert steps == 2 * 9  # ceil(202 / 24) steps an epoch
-    assert net.comm_state_.allreduces == steps  # one bucket
+    assert net.engine_.allreduces == steps  # one bucket
     assert sizes.count(3) == steps  # item count, loss sum and rows
     assert sizes.count(10 * 2 + 2) == steps  # the gradient bucket
     assert len(sizes) == 2 * steps

@@ -34,7 +34,11 @@ from fsdp_worker import (  # noqa: E402
     CLIP_NORM,
     N_SAMPLES,
     N_TOKEN_SAMPLES,
+    MaskedMeanLoss,
+    SpikyClassifier,
+    masked_data,
     sequential_classifier,
+    spiky_data,
 )
 
 WORKER = DISTRIBUTED / 'fsdp_worker.py'
@@ -96,12 +100,21 @@ def assert_losses_equal(ranks, net):
             net.history, 'train_batch_size')
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
-@pytest.mark.parametrize('scenario', ['samples', 'samples_each'])
-def test_samples_match_single_process(tmp_path, scenario):
+@pytest.mark.parametrize('scenario, reduce_scatters', [
+    ('samples', 2 * 5),  # once per step
+    ('samples_each', 2 * (4 * ACC_STEPS + 1)),  # once per pass
+])
+def test_samples_match_single_process(tmp_path, scenario, reduce_scatters):
     # 195 rows: 25 micro-batches of 8, 13 on rank 0 and 12 on rank 1; in
     # each epoch's last step rank 0 has one and rank 1 none
     ranks = run_ranks(tmp_path, scenario)
+    # FSDP's own reduce-scatters, one per Linear unit (the root holds no
+    # parameter), in float64
+    for rank in ranks:
+        assert rank['reduce_scatters'] == 3 * reduce_scatters
+        assert rank['reduce_dtypes'] == {DTYPE}
     net = plain_classifier()
     assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
     assert_losses_equal(ranks, net)  # the mean over all ranks, on each
@@ -112,6 +125,7 @@ def test_samples_match_single_process(tmp_path, scenario):
     assert all(rank['forward_dtypes'] == {DTYPE} for rank in ranks)
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_gradient_clipping_sees_the_whole_gradient(tmp_path):
     # skorch's GradientNormClipping, on_grad_computed, clips the sharded
@@ -126,6 +140,7 @@ def test_gradient_clipping_sees_the_whole_gradient(tmp_path):
                for key, value in unclipped.items()) > 1e-2
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_bf16_is_fsdp_mixed_precision(tmp_path):
     # bf16 parameters in the forward pass, float64 shards, fp32 reductions
@@ -133,6 +148,7 @@ def test_bf16_is_fsdp_mixed_precision(tmp_path):
     for rank in ranks:
         assert rank['forward_dtypes'] == {torch.bfloat16}
         assert rank['shard_dtypes'] == {DTYPE}
+        assert rank['reduce_dtypes'] == {torch.float32}
     net = plain_classifier()
     state = torch.load(tmp_path / 'params.pt')
     assert all(value.dtype == DTYPE for value in state.values())
@@ -144,6 +160,7 @@ def test_bf16_is_fsdp_mixed_precision(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_cuda_nccl_matches_single_process(tmp_path):
     # one rank per GPU (at most 2), NCCL; the CPU's single process is the
@@ -158,6 +175,7 @@ def test_cuda_nccl_matches_single_process(tmp_path):
             rank, figures['max_memory_allocated']))
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(tmp_path):
     # shuffled; 117 rows: 15 micro-batches, so in each epoch's last step
@@ -176,6 +194,7 @@ def test_uneven_item_counts_are_normalized_globally(tmp_path):
     assert_losses_equal(ranks, net)
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_checkpoint_resumes_and_loads_into_a_plain_net(tmp_path):
     # one epoch, save_params, a new net with other weights load_params and
@@ -201,6 +220,111 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(tmp_path):
     for key, value in plain.module_.state_dict().items():
         torch.testing.assert_close(value, net.module_.state_dict()[key],
                                    rtol=0, atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+@pytest.mark.parametrize('scenario', ['micro', 'auto', 'iterable'])
+def test_options_match_single_process(tmp_path, scenario):
+    # micro_batch_size=3: 3 passes for a micro-batch of 8 rows, 1 for the
+    # last of 3 and for a zero-row one; 'auto' where only rank 1 runs out
+    # of memory above 4 rows: both ranks back off and replay; an iterator
+    # of micro-batches without a length
+    ranks = run_ranks(tmp_path, scenario)
+    net = plain_classifier()
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+    if scenario == 'auto':
+        for rank in ranks:
+            assert rank['micro_batch_size_'] == 4
+            assert rank['backoffs'] == [[4]] + [None] * 9
+    if scenario == 'micro':
+        # what get_loss recorded per piece is merged as the loss is: the
+        # mean over the rank's pieces, weighted by their rows
+        for rank in ranks:
+            pieces = [rank['piece_losses'][step]
+                      for step in sorted(rank['piece_losses'])]
+            if rank is ranks[0]:  # 3 micro-batches of 8 rows: 9 pieces
+                assert [len(step) for step in pieces[:5]] == [9, 9, 9, 9, 1]
+            expected = [sum(n * value for n, value in step)
+                        / sum(n for n, _ in step) for step in pieces]
+            merged = [loss for loss in rank['merged_losses'] if loss]
+            np.testing.assert_allclose(merged, expected, rtol=1e-12)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_a_step_non_finite_on_one_shard_is_skipped_everywhere(tmp_path):
+    # the second step's gradient is infinite in rank 1's shard only; the
+    # single process with acc_steps=k*W skips the same step
+    ranks = run_ranks(tmp_path, 'skip')
+    torch.manual_seed(0)
+    net = GradAccNeuralNetClassifier(
+        SpikyClassifier, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS * WORLD_SIZE,
+        skip_nonfinite=True, max_epochs=2, lr=0.1, optimizer__momentum=0.9,
+        train_split=None, verbose=0).fit(*spiky_data())
+    assert net.history[:, 'skipped_steps'] == [1, 1]
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+    for rank in ranks:
+        assert rank['steps_skipped'] == train_losses(net.history,
+                                                     'step_skipped')
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_a_micro_batch_without_items_adds_nothing(tmp_path):
+    # rank 1's first micro-batch has rows but no item: its masked mean loss
+    # is NaN and so is its gradient; its pass must add a zero gradient
+    ranks = run_ranks(tmp_path, 'masked')
+    net = single_process(NeuralNet, *masked_data(), module=TokenTagger,
+                         criterion=MaskedMeanLoss, lr=0.5)
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_distributed_sampler_gets_set_epoch(tmp_path):
+    ranks = run_ranks(tmp_path, 'sampler')
+    for rank in ranks:
+        assert rank['sampler_epochs'] == [1, 2]
+        first, second = rank['first_rows']
+        assert first != second  # another shuffled order each epoch
+
+
+class SkipsFirstSteps(NeuralNetClassifier):
+    """Plain skorch that skips its first ``skips`` optimizer steps."""
+
+    skips = 4
+
+    def _step_optimizer(self, step_fn):
+        self.steps_ = getattr(self, 'steps_', 0) + 1
+        if self.steps_ <= self.skips:
+            step_fn()  # the gradient, and no step
+            return None
+        return super()._step_optimizer(step_fn)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_fp16_scaler_decides_alike_on_every_rank(tmp_path):
+    # float16 parameters in the forward pass, float32 reductions, and a
+    # ShardedGradScaler: each backward is weighted by its count (8), so the
+    # scale settles 16 times below 65536 after 4 skipped steps, the same on
+    # both ranks
+    ranks = run_ranks(tmp_path, 'fp16')
+    for rank in ranks:
+        assert rank['forward_dtypes'] == {torch.float16}
+        assert rank['reduce_dtypes'] == {torch.float32}
+        assert rank['steps_skipped'] == [True] * 4 + [False] * 6
+        assert rank['scale'] == 2.0 ** 12
+    net = single_process(SkipsFirstSteps, *classification_data(N_SAMPLES),
+                         module=sequential_classifier, lr=0.1)
+    # to float16's precision; taking any of the skipped steps is 0.13 off
+    assert_params_equal(torch.load(tmp_path / 'params.pt'), net, atol=2e-3)
+    np.testing.assert_allclose(ranks[0]['train_losses'],
+                               train_losses(net.history), rtol=5e-3)
 
 
 class FSDPNet(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
@@ -260,16 +384,6 @@ class TestValidation:
         ({'shard_classes': 'Linear'},
          "shard_classes must be None or a list of module classes or class "
          "names, got 'Linear' instead."),
-        ({'micro_batch_size': 4},
-         "micro_batch_size must be None with FullyShardedGradAccMixin, got 4: "
-         "every rank must run the same forward passes."),
-        ({'skip_nonfinite': True},
-         "skip_nonfinite must be False with FullyShardedGradAccMixin, got "
-         "True: each rank sees only its own gradient shard."),
-        ({'mixed_precision': 'fp16'},
-         "mixed_precision must be None or 'bf16' with "
-         "FullyShardedGradAccMixin, got 'fp16': 'bf16' uses FSDP's "
-         "MixedPrecisionPolicy, and 'fp16' would need a sharded GradScaler."),
     ])
     def test_bad_parameters_are_refused_before_training(self, params,
                                                         message):
@@ -289,6 +403,7 @@ class TestValidation:
         assert params['acc_steps'] == 1
 
 
+@pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
     # the docs' train_fsdp.py is a literal block, run here as the page says;

@@ -246,10 +246,10 @@ class TestFloat16GradScaler:
 
         net = Unscaled(Float32MLP, batch_size=8, acc_steps=4,
                        mixed_precision='fp16', **COMMON)
-        msg = ("mixed_precision='fp16' scales the loss in get_loss; an "
+        msg = ("GradAccMixin weights each micro-batch's loss (and, with "
+               "mixed_precision='fp16', scales it) as it leaves get_loss; an "
                "override of train_step_single must compute the loss with "
-               "self.get_loss(..., training=True), and an override of "
-               "get_loss must call super().get_loss.")
+               "self.get_loss(..., training=True).")
         with pytest.raises(RuntimeError) as exc:
             fit_seeded(net, *data())
         assert str(exc.value) == msg

@@ -172,3 +172,45 @@ class TestNaiveNormalizationIsDetected:
         naive = CountMicroBatches(**acc_net.get_params())
         fit_seeded(naive, X, y), fit_seeded(plain_net, X, y)
         assert (max_param_diff(naive, plain_net) < PARAM_ATOL) == exact
+
+
+class BadCount(GradAccNeuralNetClassifier):
+    """count_loss_items returns ``bad_count`` for the second micro-batch."""
+
+    bad_count = None
+
+    def count_loss_items(self, batch):
+        self.counted_ = getattr(self, 'counted_', 0) + 1
+        if self.counted_ == 2:
+            return self.bad_count
+        return super().count_loss_items(batch)
+
+
+class TestBadCounts:
+    @pytest.mark.parametrize('bad_count, shown', [
+        (-1, '-1'), (float('nan'), 'nan'), (float('inf'), 'inf'),
+        (torch.tensor(-2.0), '-2.0'), ('3', "'3'"),
+    ])
+    def test_are_refused_naming_count_loss_items_and_the_value(
+            self, bad_count, shown):
+        X, y = classification_data(64)
+        acc_net, _ = make_nets(4, train_split=None)
+        net = BadCount(**acc_net.get_params())
+        net.bad_count = bad_count
+        with pytest.raises(ValueError) as exc:
+            fit_seeded(net, X, y)
+        assert str(exc.value) == (
+            "count_loss_items(batch) must be a number of items, 0 or more, "
+            "got {} instead.".format(shown))
+        # refused before the first step was taken
+        assert not net.history[-1, 'batches'][0].get('train_loss')
+
+    def test_tensor_of_several_numbers_is_refused(self):
+        X, y = classification_data(64)
+        acc_net, _ = make_nets(4, train_split=None)
+        net = BadCount(**acc_net.get_params())
+        net.bad_count = torch.ones(2)
+        with pytest.raises(ValueError, match=(
+                r"count_loss_items\(batch\) must be a number or a one-element "
+                r"tensor of numbers, got a tensor of shape \(2,\)")):
+            fit_seeded(net, X, y)

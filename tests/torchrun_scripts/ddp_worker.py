@@ -12,7 +12,9 @@ Usage: ddp_worker.py OUT_DIR SCENARIO [BACKEND], where SCENARIO is one of
 * ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
 * ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
-* ``raise``: rank 1 fails in its first step.
+* ``raise``: rank 1 fails in its first step;
+* ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
+  module runs out of memory above 4 rows.
 
 Each rank saves its parameters, history and counters to OUT_DIR/rank{r}.pt.
 """
@@ -51,7 +53,7 @@ from skorch_gradacc.distributed import DistributedGradAccMixin  # noqa: E402
 from conftest import MLPClassifier, classification_data  # noqa: E402
 
 BATCH_SIZE, ACC_STEPS = 8, 3
-N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195}
+N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195}
 
 
 class CountsMicroBatches:
@@ -79,6 +81,19 @@ class DDPTokenNet(CountsMicroBatches, DistributedGradAccMixin,
 class DDPTokenLMNet(CountsMicroBatches, TokenMixin, DistributedGradAccMixin,
                     GradAccNeuralNet):
     pass
+
+
+class CappedMLP(MLPClassifier):
+    """Raises torch.OutOfMemoryError above ``max_rows`` rows."""
+
+    def __init__(self, max_rows=1000):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def forward(self, X):
+        if len(X) > self.max_rows:
+            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return super().forward(X)
 
 
 class FailingMLP(MLPClassifier):
@@ -139,6 +154,10 @@ def make_net_and_data(scenario, rank, device):
         del common['device']  # the accelerator places the module
         return make_accelerated_net(**common), *classification_data(192)
     module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
+    if scenario == 'auto':
+        module = CappedMLP
+        common.update(micro_batch_size='auto',
+                      module__max_rows=4 if rank == 1 else 1000)
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -163,10 +182,11 @@ def main(out_dir, scenario, backend='gloo'):
     torch.save({
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
-        'allreduces': net.comm_state_.allreduces,
+        'allreduces': net.engine_.allreduces,
         'steps': sum(net.history[:, 'train_batch_count']),
         'micro_batches': net.micro_batches_,
         'rows': net.rows_,
+        'micro_batch_size_': getattr(net, 'micro_batch_size_', None),
         'train_loss': [float(loss) for loss in net.history[:, 'train_loss']],
         'batch_losses': [[float(loss) for loss in losses] for losses in
                          net.history[:, 'batches', :, 'train_loss']],

@@ -11,9 +11,21 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
   micro-batches and rank 1 one, and a zero-row pass;
 * ``cuda``: ``samples`` on the GPUs, with NCCL (one rank per GPU);
 * ``clip``: ``samples`` with skorch's GradientNormClipping;
-* ``bf16``: ``samples`` with ``mixed_precision='bf16'``;
+* ``bf16``, ``fp16``: ``samples`` with ``mixed_precision='bf16'`` or
+  ``'fp16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
-  ``load_params`` and trains a second epoch.
+  ``load_params`` and trains a second epoch;
+* ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
+  take different numbers of passes in the last step;
+* ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
+  module runs out of memory above 4 rows;
+* ``skip``: ``samples`` with ``skip_nonfinite=True``, where one step's
+  gradient is infinite in rank 1's shard only;
+* ``iterable``: ``samples`` from an ``IterableDataset`` of micro-batches,
+  without a length;
+* ``sampler``: a user's shuffling ``DistributedSampler``;
+* ``masked``: a masked mean loss, ``(ce * mask).sum() / mask.sum()``, where
+  rank 1's first micro-batch has rows but no item.
 
 Rank 0 saves the net's full checkpoint (``save_params``) and the history
 to OUT_DIR; each rank saves its counters to OUT_DIR/rank{r}.pt.
@@ -25,7 +37,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from skorch.callbacks import GradientNormClipping
+from skorch.callbacks import Callback, GradientNormClipping
+from skorch.dataset import Dataset
+from torch.utils.data import DistributedSampler, IterableDataset
 
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
@@ -52,8 +66,106 @@ def sequential_classifier():
         torch.nn.Linear(16, 3, dtype=DTYPE), torch.nn.Softmax(dim=-1))
 
 
+class CappedClassifier(torch.nn.Sequential):
+    """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
+    that cannot hold more, before any collective of the forward pass."""
+
+    def __init__(self, max_rows=1000):
+        super().__init__(*sequential_classifier())
+        self.max_rows = max_rows
+
+    def forward(self, X):
+        if len(X) > self.max_rows:
+            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+        return super().forward(X)
+
+
+class InfiniteGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float('inf')
+
+
+class SpikyClassifier(torch.nn.Sequential):
+    """An infinite gradient for hidden unit 12 (on rank 1's shard of the
+    first layer, sharded by rows) in a batch whose first feature is > 100;
+    every other gradient, and the loss, stay finite."""
+
+    def __init__(self):
+        super().__init__(*sequential_classifier())
+
+    def forward(self, X):
+        hidden = self[0](X)
+        if (X[:, 0] > 100).any():
+            hidden = torch.cat([hidden[:, :12],
+                                InfiniteGradient.apply(hidden[:, 12:13]),
+                                hidden[:, 13:]], dim=1)
+        for layer in list(self)[1:]:
+            hidden = layer(hidden)
+        return hidden
+
+
+def spiky_data():
+    X, y = classification_data(N_SAMPLES)
+    X[60, 0] = 1000.0  # micro-batch 7: rank 1's in the second step
+    return X, y
+
+
+class MicroBatches(IterableDataset):
+    """The micro-batches of 8 rows of (X, y), without a length."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __iter__(self):
+        for start in range(0, len(self.X), BATCH_SIZE):
+            yield (torch.as_tensor(self.X[start:start + BATCH_SIZE]),
+                   torch.as_tensor(self.y[start:start + BATCH_SIZE]))
+
+
+class MaskedMeanLoss(torch.nn.Module):
+    """The mean token loss written by hand: NaN, with a NaN gradient, for
+    a micro-batch without items."""
+
+    def forward(self, y_pred, y):
+        mask = y != IGNORE
+        ce = torch.nn.functional.cross_entropy(
+            y_pred, y.clamp(min=0), reduction='none')
+        return (ce * mask).sum() / mask.sum()
+
+
+def masked_data():
+    X, y = token_data(N_TOKEN_SAMPLES)
+    y[BATCH_SIZE:2 * BATCH_SIZE] = IGNORE  # micro-batch 1: rank 1's first
+    return X, y
+
+
+class RecordsEpoch(Callback):
+    """Records the sampler's epoch and the first rows of every epoch."""
+
+    def on_epoch_end(self, net, **kwargs):
+        sampler = net.iterator_train__sampler
+        net.sampler_epochs_ = getattr(net, 'sampler_epochs_', []) + [
+            sampler.epoch]
+        net.first_rows_ = getattr(net, 'first_rows_', []) + [
+            list(sampler)[:BATCH_SIZE]]
+
+
 class FSDPClassifier(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
-    pass
+    def get_loss(self, y_pred, y_true, X=None, training=False):
+        """Records each piece's loss in the row, and aside with its rows."""
+        loss = super().get_loss(y_pred, y_true, X=X, training=training)
+        if training and len(y_true):
+            self.history.record_batch('piece_loss', loss.item())
+            step = (len(self.history), len(self.history[-1]['batches']))
+            self.piece_losses_ = getattr(self, 'piece_losses_', {})
+            self.piece_losses_.setdefault(step, []).append(
+                (len(y_true), loss.item()))
+        return loss
 
 
 class FSDPTokenNet(FullyShardedGradAccMixin, GradAccNeuralNet):
@@ -62,34 +174,61 @@ class FSDPTokenNet(FullyShardedGradAccMixin, GradAccNeuralNet):
         return int((y != IGNORE).sum())
 
 
-def make_net(scenario, max_epochs=2):
+def make_net(scenario, max_epochs=2, X=None):
     common = dict(batch_size=BATCH_SIZE, acc_steps=ACC_STEPS,
                   max_epochs=max_epochs, train_split=None, verbose=0,
                   optimizer__momentum=0.9)
-    if scenario == 'tokens':
+    if scenario in ('tokens', 'masked'):
+        criterion = dict(criterion=torch.nn.CrossEntropyLoss,
+                         criterion__ignore_index=IGNORE,
+                         iterator_train__shuffle=True)
+        if scenario == 'masked':
+            criterion = dict(criterion=MaskedMeanLoss)
         return FSDPTokenNet(
-            TokenTagger, criterion=torch.nn.CrossEntropyLoss,
-            criterion__ignore_index=IGNORE, lr=0.5,
-            iterator_train__shuffle=True,
-            shard_classes=[torch.nn.Embedding, 'Linear'], **common)
+            TokenTagger, lr=0.5, shard_classes=[torch.nn.Embedding, 'Linear'],
+            **criterion, **common)
+    module = sequential_classifier
+    if scenario == 'micro':
+        common['micro_batch_size'] = 3
+    if scenario == 'auto':
+        module = CappedClassifier
+        common['micro_batch_size'] = 'auto'
+        common['module__max_rows'] = 4 if dist.get_rank() == 1 else 1000
+    if scenario == 'skip':
+        module = SpikyClassifier
+        common['skip_nonfinite'] = True
+    if scenario == 'iterable':
+        common['iterator_train__batch_size'] = None
+    if scenario == 'sampler':
+        common['iterator_train__sampler'] = DistributedSampler(X, seed=0)
+        common['callbacks'] = [RecordsEpoch()]
     if scenario == 'cuda':
         common['device'] = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
     if scenario == 'clip':
         common['callbacks'] = [GradientNormClipping(CLIP_NORM)]
     return FSDPClassifier(
-        sequential_classifier, lr=0.1,
+        module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
-        mixed_precision='bf16' if scenario == 'bf16' else None, **common)
+        mixed_precision=scenario if scenario in ('bf16', 'fp16') else None,
+        **common)
 
 
 def fit(scenario, out_dir):
     if scenario == 'tokens':
         X, y = token_data(N_TOKEN_SAMPLES)
+    elif scenario == 'masked':
+        X, y = masked_data()
+    elif scenario == 'skip':
+        X, y = spiky_data()
     else:
         X, y = classification_data(N_SAMPLES)
+    if scenario == 'iterable':
+        X, y = MicroBatches(X, y), None
+    if scenario == 'sampler':
+        X, y = Dataset(X, y), None
     torch.manual_seed(0)  # the same initial weights on every rank
     if scenario != 'resume':
-        net = make_net(scenario).initialize()
+        net = make_net(scenario, X=X).initialize()
         net.forward_dtypes_ = set()
         first_layer = next(module for module in net.module_.modules()
                            if isinstance(module, torch.nn.Linear))
@@ -111,7 +250,17 @@ def fit(scenario, out_dir):
 def main(out_dir, scenario):
     out_dir = Path(out_dir)
     dist.init_process_group('nccl' if scenario == 'cuda' else 'gloo')
+    # FSDP2's reduce-scatters, as they happen: their number and dtypes
+    reduce_scatters = []
+    reduce_scatter_single = dist.reduce_scatter_single
+
+    def counting_reduce_scatter(*args, **kwargs):
+        reduce_scatters.append(kwargs['input'].dtype)
+        return reduce_scatter_single(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
     net = fit(scenario, out_dir)
+    dist.reduce_scatter_single = reduce_scatter_single
     rank = dist.get_rank()
     net.save_params(f_params=out_dir / 'params.pt',
                     f_optimizer=out_dir / 'optimizer.pt',
@@ -131,6 +280,22 @@ def main(out_dir, scenario):
         'train_batch_sizes': [row['train_batch_size']
                               for epoch in net.history[:, 'batches']
                               for row in epoch],
+        'steps_skipped': [row.get('step_skipped')
+                          for epoch in net.history[:, 'batches']
+                          for row in epoch],
+        'backoffs': [row.get('micro_batch_size_backoff')
+                     for epoch in net.history[:, 'batches']
+                     for row in epoch],
+        'micro_batch_size_': net.micro_batch_size_,
+        'scale': net.grad_scaler_ and net.grad_scaler_.get_scale(),
+        'piece_losses': getattr(net, 'piece_losses_', None),
+        'merged_losses': [row.get('piece_loss')
+                          for epoch in net.history[:, 'batches']
+                          for row in epoch],
+        'reduce_scatters': len(reduce_scatters),
+        'reduce_dtypes': set(reduce_scatters),
+        'sampler_epochs': getattr(net, 'sampler_epochs_', None),
+        'first_rows': getattr(net, 'first_rows_', None),
     }, out_dir / 'rank{}.pt'.format(rank))
     dist.barrier()  # no rank tears down while another still talks
     dist.destroy_process_group()

@@ -1,0 +1,314 @@
+"""Engines: what differs between one process, DDP and FSDP2 in a step.
+
+:class:`~skorch_gradacc.GradAccMixin` runs one loop for every step
+(:meth:`~skorch_gradacc.GradAccMixin.accumulate_gradients`): the pieces, the
+item counts, the history merge, ``y_pred``, the out-of-memory back-off and
+the skip decision. An engine supplies only what differs:
+
+* :meth:`Engine.groups`: which micro-batches this rank takes in each step;
+* :meth:`Engine.passes`: the forward and backward passes of a step, which
+  an engine may pad or agree on with the other ranks;
+* :meth:`Engine.context`: the context of each backward, which reduces the
+  gradient over ranks or not;
+* :attr:`Engine.unit` and :meth:`Engine.set_unit`: how the count-weighted
+  gradients are summed over ranks;
+* :meth:`Engine.end_step` and :meth:`Engine.all_ranks`: the end of the
+  step, and the decisions that every rank must take alike.
+
+:class:`Engine` is the single process's, the trivial one.
+:class:`DataParallelEngine` adds what every data-parallel engine shares,
+:class:`DDPEngine` is that of a module wrapped in
+:class:`~torch.nn.parallel.DistributedDataParallel` (by
+:class:`~skorch_gradacc.DistributedGradAccMixin` or by skorch's
+``AccelerateMixin``), and FSDP2's is
+:class:`skorch_gradacc.fully_sharded.FullyShardedEngine`.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from skorch_gradacc.grouping import MicroBatchGroups
+from skorch_gradacc.item_counts import scale_gradients
+from skorch_gradacc.sharding import ShardedMicroBatchGroups
+
+__all__ = ['DDPEngine', 'DataParallelEngine', 'Engine', 'engine_for']
+
+
+class Engine:
+    """The engine of a single process.
+
+    For each step, :class:`~skorch_gradacc.GradAccMixin` calls
+    :meth:`groups` (once per epoch), then for every pass of :meth:`passes`:
+    :meth:`set_unit` before the rank's last backward, and the backward under
+    :meth:`context`; then :meth:`end_step`. Each backward computes the
+    gradient of its loss times ``c / u`` (``c`` its item count, ``u`` the
+    unit: :attr:`unit`, or the first positive count), so that after the last
+    one ``.grad`` is ``1 / u`` times the gradient of the summed loss.
+
+    Parameters
+    ----------
+    module : torch.nn.Module or None (default=None)
+      The module the engine serves; a new module gets a new engine.
+
+    Attributes
+    ----------
+    unit : float or None
+      The unit of every rank's counts (class attribute): None for the first
+      positive count of the rank's step.
+
+    """
+
+    unit = None
+
+    def __init__(self, module=None):
+        self.module = module
+
+    def groups(self, micro_batches, acc_steps, keep=False, keep_targets=False):
+        """Return this rank's groups of micro-batches, one per step."""
+        return MicroBatchGroups(micro_batches, acc_steps, keep=keep,
+                                keep_targets=keep_targets)
+
+    def passes(self, pieces):
+        """Yield the step's ``(piece, is_last)``: here, the pieces as they are."""
+        return pieces
+
+    def may_skip(self, is_last):
+        """Whether the backward of a piece without items may be left out."""
+        return True
+
+    def context(self, syncs):
+        """Return the context of a backward; ``syncs``: the rank's last."""
+        return contextlib.nullcontext()
+
+    def set_unit(self, unit):
+        """Say, before the last backward, what ``.grad`` is in units of.
+
+        ``unit`` is None for a summed loss, else the count ``u`` (0 when
+        the rank's pieces have no item).
+        """
+
+    def after_error(self, run_empty_pass, size):
+        """Let the other ranks know of an out-of-memory error in a pass.
+
+        Called on the rank whose pass failed, with ``micro_batch_size='auto'``,
+        before it backs off: ``run_empty_pass(piece)`` runs a zero-row pass
+        in its place, and ``size`` is the piece size it backs off to. One
+        process, and DDP, whose forward passes need no other rank, have
+        nothing to do.
+        """
+
+    def discard_gradient(self, run_empty_pass):
+        """Give up the gradient of a failed attempt at the step.
+
+        Called on every rank before the net zeroes ``.grad`` and backs off;
+        ``run_empty_pass(piece)`` runs a zero-row pass that reduces the
+        gradient. Here, ``.grad`` holds all of it: nothing to do.
+        """
+
+    def end_step(self, net, group, counts):
+        """Finish the step after its last backward; return its loss.
+
+        Divides ``.grad`` by the group's count, in units of ``u``
+        (:meth:`~skorch_gradacc.item_counts.ItemCounts.factor`).
+        """
+        factor = counts.factor()
+        if isinstance(factor, torch.Tensor) or factor != 1:
+            scale_gradients(_grads(net), factor)
+        return counts.loss()
+
+    def all_ranks(self, ok):
+        """Return whether ``ok`` holds on every rank (here: ``ok``)."""
+        return ok
+
+
+class DataParallelEngine(Engine):
+    """What every data-parallel engine shares.
+
+    * :meth:`groups`: the user's iterator sharded by micro-batch
+      (:class:`~skorch_gradacc.sharding.ShardedMicroBatchGroups`), or, if it
+      is sharded already (a :class:`~torch.utils.data.DistributedSampler`,
+      or ``shard=False``), grouped as it is;
+    * :meth:`end_step`: one all-reduce of the step's item count, loss sum
+      and rows; the summed gradient (of this rank, or its shard) is divided
+      by the count over all ranks, and the step's mean loss goes to the
+      history;
+    * :meth:`all_ranks`: one all-reduce of a flag.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+      The wrapped module.
+
+    process_group : ProcessGroup or None
+      The process group; None for the default one.
+
+    shard : bool (default=False)
+      Whether :meth:`groups` shards the training iterator by micro-batch;
+      if False, the iterator is taken to be sharded already (e.g. prepared
+      by Accelerate).
+
+    Attributes
+    ----------
+    device : torch.device
+      Where the collectives run: the device of the module's parameters,
+      which NCCL requires to be a GPU.
+
+    """
+
+    def __init__(self, module, process_group=None, shard=False):
+        super().__init__(module)
+        self.process_group = process_group
+        self.shard = shard
+        param = next(module.parameters(), None)
+        self.device = param.device if param is not None else torch.device(
+            'cpu')
+
+    def groups(self, micro_batches, acc_steps, keep=False, keep_targets=False):
+        """Return this rank's groups, the same number on every rank."""
+        sampler = getattr(micro_batches, 'sampler', None)
+        if self.shard and not isinstance(sampler, DistributedSampler):
+            return ShardedMicroBatchGroups(
+                micro_batches, acc_steps,
+                rank=dist.get_rank(self.process_group),
+                world_size=dist.get_world_size(self.process_group),
+                keep=keep, keep_targets=keep_targets, device=self.device,
+                group=self.process_group)
+        groups = super().groups(micro_batches, acc_steps, keep=keep,
+                                keep_targets=keep_targets)
+        try:
+            len(groups)
+        except TypeError:
+            raise ValueError(
+                "Data-parallel training needs a training iterator with a "
+                "length when it is sharded by its own sampler, so that every "
+                "rank takes the same number of steps; got {!r}.".format(
+                    micro_batches)) from None
+        return groups
+
+    def end_step(self, net, group, counts):
+        """All-reduce the count, loss sum and rows; divide the gradient.
+
+        Returns the step's loss over all ranks, in float64 (a rank without
+        items has no loss of its own to take the dtype from): the mean over
+        its items, or the sum of summed losses.
+        """
+        values = torch.stack([
+            _on_device(value, self.device)
+            for value in (counts.total, counts.loss_sum().detach(),
+                          group.n_rows)])
+        dist.all_reduce(values, group=self.process_group)
+        total, loss, rows = values
+        if hasattr(group, 'global_rows'):
+            group.global_rows = rows
+        if counts.summed:
+            return loss
+        # the summed gradient over all ranks is in units of 1; no host sync;
+        # with no item on any rank, the gradient is left as it is (zero)
+        scale_gradients(_grads(net), torch.where(total > 0, 1 / total, 1.0))
+        return loss / total
+
+    def all_ranks(self, ok):
+        """Return whether ``ok`` holds on every rank (one all-reduce)."""
+        flag = torch.tensor(float(ok), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+        return bool(flag)
+
+
+class DDPEngine(DataParallelEngine):
+    """The engine of a module wrapped in DistributedDataParallel.
+
+    ``no_sync()`` for all backward passes of a step but a rank's last, and
+    a communication hook that multiplies each rank's gradient by ``factor =
+    u`` (:meth:`set_unit`), making it the gradient of this rank's summed
+    loss, and sums over ranks; :meth:`~DataParallelEngine.end_step` then
+    divides by the step's item count over all ranks. The hook replaces
+    DDP's default one, which averages over ranks.
+
+    Parameters
+    ----------
+    module : torch.nn.parallel.DistributedDataParallel
+      The wrapped module; the hook is registered on it.
+
+    process_group, shard
+      See :class:`DataParallelEngine`.
+
+    Attributes
+    ----------
+    factor : float or torch.Tensor
+      What the next all-reduce multiplies this rank's gradient by.
+
+    allreduces : int
+      The number of gradient all-reduces so far: one per DDP bucket and
+      step.
+
+    """
+
+    def __init__(self, module, process_group=None, shard=False):
+        super().__init__(module, process_group=process_group, shard=shard)
+        self.factor = 1.0
+        self.allreduces = 0
+        module.register_comm_hook(self, _scaled_allreduce_hook)
+
+    def may_skip(self, is_last):
+        """Return False for the rank's last backward, which all-reduces."""
+        return not is_last
+
+    def context(self, syncs):
+        """``no_sync()`` unless this is the rank's last backward."""
+        return contextlib.nullcontext() if syncs else self.module.no_sync()
+
+    def set_unit(self, unit):
+        """Set the hook's factor: ``u`` (0 without items), 1 if summed."""
+        self.factor = 1.0 if unit is None else unit
+
+
+def engine_for(module):
+    """Return the engine of ``module``.
+
+    A :class:`DDPEngine` if it is wrapped in DistributedDataParallel, else
+    the single process's :class:`Engine`.
+    """
+    if isinstance(module, DistributedDataParallel):
+        return DDPEngine(module)
+    return Engine(module)
+
+
+def _grads(net):
+    return [param.grad for _, param in net.get_all_learnable_params()
+            if param.grad is not None]
+
+
+def _on_device(value, device):
+    """Return ``value`` as a float64 scalar on ``device``, without waiting.
+
+    A number is filled in on the device, not copied from the host.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+def _scaled_allreduce_hook(state, bucket):
+    """Multiply this rank's bucket by ``state.factor``, then sum over ranks.
+
+    The all-reduce runs in the calling thread and the hook returns a future
+    that is already complete. A Python callback chained to an asynchronous
+    all-reduce (``future.then(...)``) would run, and be freed, on one of
+    gloo's worker threads a moment after the step has moved on; a process
+    that exits in that moment aborts with ``terminate called without an
+    active exception``, as the thread cannot take the GIL of an interpreter
+    that is shutting down. With NCCL the call still returns at once: the
+    all-reduce is ordered on the device's stream.
+    """
+    tensor = bucket.buffer()
+    tensor.mul_(state.factor)
+    state.allreduces += 1
+    dist.all_reduce(tensor, group=state.process_group)
+    future = torch.futures.Future(
+        devices=[tensor.device] if tensor.is_cuda else None)
+    future.set_result(tensor)
+    return future
