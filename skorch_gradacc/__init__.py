@@ -13,6 +13,7 @@ from skorch_gradacc.callbacks import (
     GradAccProgressBar,
 )
 from skorch_gradacc.distributed import DistributedGradAccMixin, FullyShardedGradAccMixin
+from skorch_gradacc.loss_items import LossItemsWarning
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,
@@ -35,5 +36,6 @@ __all__ = [
     'GradAccNeuralNetBinaryClassifier',
     'GradAccNeuralNetClassifier',
     'GradAccNeuralNetRegressor',
+    'LossItemsWarning',
     '__version__',
 ]
