@@ -12,7 +12,7 @@ Trainer is exact through ``compute_loss_func`` and its
 ``num_items_in_batch``, the sum of each micro-batch's labeled tokens over
 the accumulated ones; the GradAcc net through its default count.
 
-    python -m benchmarks.trainer_comparison --out benchmarks/results
+    python -m benchmarks.trainer_comparison --out benchmark_results
 """
 
 import argparse
@@ -74,6 +74,7 @@ class ShiftedCrossEntropy(torch.nn.CrossEntropyLoss):
 
 def train_skorch(model, sequences, batch_size, acc_steps):
     from skorch_gradacc import GradAccNeuralNet
+    from skorch_gradacc.loss_items import check_loss_is_mean
 
     class LM(torch.nn.Module):
         def __init__(self):
@@ -95,7 +96,13 @@ def train_skorch(model, sequences, batch_size, acc_steps):
         iterator_train__collate_fn=collate, iterator_train__shuffle=False,
         dataset=lambda X, y=None: X)
     net.fit(sequences)
-    return net.module_.lm
+    if acc_steps == 1:  # plain skorch's training: no check
+        return net.module_.lm, None
+    # the cost of check_loss, paid once per fit: on the first micro-batch
+    batch = next(iter(net.get_iterator(net.get_dataset(sequences), True)))
+    start = time.perf_counter()
+    check_loss_is_mean(net, batch)
+    return net.module_.lm, time.perf_counter() - start
 
 
 def train_trainer(model, sequences, batch_size, acc_steps):
@@ -111,7 +118,7 @@ def train_trainer(model, sequences, batch_size, acc_steps):
         Trainer(model=model, args=args, train_dataset=sequences,
                 data_collator=pad, compute_loss_func=lambda out, labels, **kw:
                 shifted_loss(out.logits, labels, **kw)).train()
-    return model
+    return model, None
 
 
 def run(name, out):
@@ -125,11 +132,12 @@ def run(name, out):
     batch_size, acc_steps = (B, K) if name.endswith('_acc') else (B * K, 1)
     train = train_skorch if name.startswith('skorch') else train_trainer
     start = time.perf_counter()
-    model = train(model, sequences, batch_size, acc_steps)
+    model, check = train(model, sequences, batch_size, acc_steps)
     seconds = (time.perf_counter() - start) / EPOCHS
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
     torch.save(model.state_dict(), out)
-    print(json.dumps({'s_per_epoch': seconds, 'peak_rss_mib': peak / 1024}))
+    print(json.dumps({'s_per_epoch': seconds, 'peak_rss_mib': peak / 1024,
+                      'check_s': check}))
 
 
 def distance(a, b):
@@ -149,21 +157,26 @@ def main(out_dir):
             numbers[name] = json.loads(proc.stdout.strip().splitlines()[-1])
             params[name] = torch.load(path)
     rows = [
-        '| run | max abs param distance | to | s / epoch | peak RSS (MiB) |',
-        '|---|---|---|---|---|']
+        '| run | max abs param distance | to | s / epoch | peak RSS (MiB) '
+        '| loss check (s) |', '|---|---|---|---|---|---|']
     for name, ref in [('skorch_acc', 'skorch_large'),
                       ('trainer_acc', 'trainer_large'),
                       ('skorch_large', 'trainer_large'),
                       ('trainer_large', 'skorch_large')]:
-        rows.append('| {} | {:.1e} | {} | {:.2f} | {:.0f} |'.format(
+        check = numbers[name]['check_s']
+        rows.append('| {} | {:.1e} | {} | {:.2f} | {:.0f} | {} |'.format(
             name, distance(params[name], params[ref]), ref,
-            numbers[name]['s_per_epoch'], numbers[name]['peak_rss_mib']))
+            numbers[name]['s_per_epoch'], numbers[name]['peak_rss_mib'],
+            '-' if check is None else '{:.3f}'.format(check)))
     text = '\n'.join([
         '# GradAcc net and transformers Trainer: exactness, time, memory', '',
         'Tiny GPT-2 (2 layers, 64 dims, vocab 512), float64, {} sequences of '
         '8 to 199 tokens, micro-batch {}, k={}, {} epochs, SGD lr={}, one '
         'thread; `python -m benchmarks.trainer_comparison`.'.format(
-            N_SEQ, B, K, EPOCHS, LR), ''] + rows) + '\n'
+            N_SEQ, B, K, EPOCHS, LR), ''] + rows + [
+        '', 'The loss check runs once per fit: {:.1%} of one epoch here.'
+        .format(numbers['skorch_acc']['check_s']
+                / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / 'trainer_comparison.md').write_text(text)
     print(text)
