@@ -130,12 +130,15 @@ def check_loss_is_mean(net, batch, **fit_params):
     -------
     checked : bool
       False if ``batch`` has fewer than two rows, or no items. True,
-      unchecked, in multi-process training.
+      unchecked, in multi-process training and for a batch that is not
+      ``(X, y)``, which skorch's ``get_loss`` does not see.
 
     """
     if (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
         return True  # each rank's forward may take part in collectives
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        return True  # trained by the user's own train_step_single
     rows = batch_len(batch)
     if rows < 2:
         return False

@@ -149,7 +149,8 @@ class GradAccMixin(StepDecisionMixin):
       :class:`~skorch_gradacc.LossItemsWarning` says by how much. The check
       costs two forward passes of one micro-batch, in eval mode and without
       gradient; the modules' buffers and the random number generators are
-      left as they were. It is skipped in multi-process training.
+      left as they were. It is skipped in multi-process training and for
+      batches that are not ``(X, y)``.
 
     Attributes
     ----------
