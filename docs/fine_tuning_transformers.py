@@ -262,12 +262,11 @@ class Tagger(NeuralNet):
 
 
 class GradAccTagger(GradAccMixin, Tagger):
-    """The tagger, with gradient accumulation normalized by tokens."""
+    """The tagger, with gradient accumulation normalized by tokens.
 
-    def count_loss_items(self, batch):
-        """Return the number of tokens that the micro-batch's loss averages."""
-        _, targets = batch
-        return int((targets != IGNORE_INDEX).sum())
+    The default ``count_loss_items`` counts the targets that
+    ``CrossEntropyLoss`` does not ignore: the tokens that have a tag.
+    """
 
 
 def tagger_params(**params):

@@ -9,6 +9,7 @@ section of the docs' "How it works" for what is held and what was measured.
 from skorch_gradacc.accum_grad import AccumGrad
 from skorch_gradacc.callbacks import AccumulationScheduler
 from skorch_gradacc.distributed import DistributedGradAccMixin
+from skorch_gradacc.loss_items import LossItemsWarning
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,
@@ -38,5 +39,6 @@ __all__ = [
     'GradAccNeuralNetBinaryClassifier',
     'GradAccNeuralNetClassifier',
     'GradAccNeuralNetRegressor',
+    'LossItemsWarning',
     '__version__',
 ]

@@ -46,6 +46,7 @@ from skorch_gradacc.batching import (
 from skorch_gradacc.engine import DataParallelEngine, Engine, engine_for
 from skorch_gradacc.grouping import MicroBatchGroup
 from skorch_gradacc.item_counts import ItemCounts, scale_gradients
+from skorch_gradacc.loss_items import check_loss_is_mean, count_items
 from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
 __all__ = ['GradAccMixin']
@@ -139,6 +140,17 @@ class GradAccMixin(StepDecisionMixin):
       The reported loss is never the scaled one. Validation and prediction
       run in full precision.
 
+    check_loss : bool (default=True)
+      Check once per fit, on the first micro-batch of two rows or more, that
+      the loss is a mean over what :meth:`count_loss_items` counts (or a
+      sum, if it returns None): the loss of the micro-batch must equal the
+      count-weighted mean of the losses of its halves. If not, a
+      :class:`~skorch_gradacc.LossItemsWarning` says by how much. The check
+      costs two forward passes of one micro-batch, in eval mode and without
+      gradient; the modules' buffers and the random number generators are
+      left as they were. It is skipped in multi-process training and for
+      batches that are not ``(X, y)``.
+
     Attributes
     ----------
     micro_batch_size_ : int or None
@@ -177,12 +189,14 @@ class GradAccMixin(StepDecisionMixin):
     # signature that scikit-learn reads is built from it (see
     # __init_subclass__).
     def __init__(self, *args, acc_steps=1, micro_batch_size=None,
-                 skip_nonfinite=False, mixed_precision=None, **kwargs):
+                 skip_nonfinite=False, mixed_precision=None, check_loss=True,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.acc_steps = acc_steps
         self.micro_batch_size = micro_batch_size
         self.skip_nonfinite = skip_nonfinite
         self.mixed_precision = mixed_precision
+        self.check_loss = check_loss
 
     def __init_subclass__(cls, **kwargs):
         # scikit-learn's estimator checks read the parameters from the
@@ -227,10 +241,10 @@ class GradAccMixin(StepDecisionMixin):
             raise ValueError(
                 "micro_batch_size must be None, 'auto' or a positive integer, "
                 "got {!r} instead.".format(micro_batch_size))
-        if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(
-                "skip_nonfinite must be True or False, got {!r} instead."
-                .format(self.skip_nonfinite))
+        for name in ('skip_nonfinite', 'check_loss'):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError("{} must be True or False, got {!r} instead."
+                                 .format(name, getattr(self, name)))
         if not (self.mixed_precision is None
                 or isinstance(self.mixed_precision, str)
                 and self.mixed_precision in AUTOCAST_DTYPES):
@@ -350,9 +364,13 @@ class GradAccMixin(StepDecisionMixin):
         return self.acc_steps if scheduled is None else scheduled
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
-        """Forget a schedule's ``acc_steps`` from an earlier fit."""
+        """Forget a schedule's ``acc_steps`` from an earlier fit.
+
+        A fit from scratch (empty history) checks its loss (``check_loss``).
+        """
         super().on_train_begin(net, X=X, y=y, **kwargs)
         self.acc_steps_ = None
+        self.loss_check_pending_ = self.check_loss and not len(self.history)
 
     # The epoch: one batch per group
 
@@ -560,11 +578,15 @@ class GradAccMixin(StepDecisionMixin):
         """Return the number of items that a micro-batch's loss averages over.
 
         The gradients of the micro-batches are weighted by these counts and
-        divided by their sum, which makes the update that of the mean over the
-        whole group. Override this method when the criterion averages over
-        something other than samples, e.g. over the non-padding tokens of a
-        token-level loss, so that the accumulated update equals the large
-        batch's.
+        divided by their sum, which makes the update that of the mean over
+        the whole group. By default, what torch's criterion divides by
+        (:func:`skorch_gradacc.loss_items.count_items`): for
+        :class:`torch.nn.CrossEntropyLoss` and :class:`torch.nn.NLLLoss`,
+        the targets ``y`` that are not ``ignore_index``, weighted by the
+        class ``weight`` if set; for element-wise losses such as
+        :class:`torch.nn.MSELoss`, the elements of ``y``; the samples for
+        other criteria. Override it when the loss averages over something
+        else, e.g. tokens whose labels live in ``X``.
 
         Parameters
         ----------
@@ -574,12 +596,11 @@ class GradAccMixin(StepDecisionMixin):
         Returns
         -------
         count : int, float, one-element tensor, or None
-          The number of samples in ``X`` by default. ``None`` means that the
-          loss is a sum, not a mean (the default when the criterion has
-          ``reduction='sum'``), and is accumulated without any rescaling.
-          A micro-batch with a count of 0 adds nothing to the group's
-          gradient; a group whose counts are all 0 is stepped with the
-          gradient its loss gives (zero for
+          ``None`` means that the loss is a sum, not a mean (the default
+          when the criterion has ``reduction='sum'``), and is accumulated
+          without any rescaling. A micro-batch with a count of 0 adds
+          nothing to the group's gradient; a group whose counts are all 0
+          is stepped with the gradient its loss gives (zero for
           :class:`torch.nn.CrossEntropyLoss` with every target ignored), as
           the large-batch net does. A tensor, e.g. ``(y != -100).sum()`` on
           the GPU, is never read on the host, so that counting does not
@@ -589,22 +610,17 @@ class GradAccMixin(StepDecisionMixin):
 
         Examples
         --------
-        Weight by the targets that are not ignored by
-        ``torch.nn.CrossEntropyLoss(ignore_index=-100)``:
+        Count the labeled tokens of a model that takes its labels in ``X``:
 
         >>> from skorch import NeuralNet
         >>> class TokenNet(GradAccMixin, NeuralNet):
         ...     def count_loss_items(self, batch):
-        ...         _, y = batch
-        ...         return (y != -100).sum()
+        ...         X, _ = batch
+        ...         return (X['labels'] != -100).sum()
 
         """
-        criteria = [getattr(self, name + '_', None) for name in self._criteria]
-        reductions = {getattr(criterion, 'reduction', None)
-                      for criterion in criteria}
-        if reductions == {'sum'}:
-            return None
-        return batch_len(batch)
+        return count_items(
+            [getattr(self, name + '_', None) for name in self._criteria], batch)
 
     def accumulate_gradients(self, group, **fit_params):
         """Compute the gradient of a whole group, one micro-batch at a time.
@@ -733,6 +749,9 @@ class GradAccMixin(StepDecisionMixin):
         in the batch's history row are noted with the piece's item count,
         and combined by :meth:`_merge_piece_records` once the group is done.
         """
+        if getattr(self, 'loss_check_pending_', False):
+            self.loss_check_pending_ = not check_loss_is_mean(
+                self, piece, **fit_params)
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
         weight, scaler = counts.weight, self._get_grad_scaler()

@@ -5,7 +5,11 @@ import pytest
 import torch
 from skorch import NeuralNet
 
-from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
+from skorch_gradacc import (
+    GradAccNeuralNet,
+    GradAccNeuralNetClassifier,
+    LossItemsWarning,
+)
 
 from conftest import (
     DTYPE,
@@ -78,10 +82,16 @@ class TestTokenLevelLoss:
             rtol=1e-10)
 
     def test_weighting_by_samples_is_not_exact_for_tokens(self):
-        # shows that the test above can fail: the default counts samples
+        # shows that the test above can fail, and that the check sees it
+        class SampleCounting(GradAccNeuralNet):
+            def count_loss_items(self, batch):
+                return len(batch[0])
+
         X, y = token_data()
-        acc_net, plain_net = token_nets(GradAccNeuralNet)
-        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        acc_net, plain_net = token_nets(SampleCounting)
+        with pytest.warns(LossItemsWarning):
+            fit_seeded(acc_net, X, y)
+        fit_seeded(plain_net, X, y)
         assert params_diff(acc_net, plain_net) > 1e-4
 
     def test_micro_batch_without_tokens(self):

@@ -1,0 +1,193 @@
+"""A GradAcc net side by side with transformers' Trainer, on a causal LM.
+
+The same tiny GPT-2 (float64, no dropout), the same padded sequences of
+different lengths in the same order (no shuffling), each micro-batch padded
+to its own longest sequence, labels -100 on padding, SGD at a constant lr,
+no clipping. Each of four runs (skorch or Trainer, accumulating ``k``
+micro-batches of ``B`` or one batch of ``B * k``) trains in a fresh process
+with ``MALLOC_MMAP_THRESHOLD_=65536``, and reports its time per epoch and
+its peak RSS above the baseline after building the model and data.
+
+Trainer is exact through ``compute_loss_func`` and its
+``num_items_in_batch``, the sum of each micro-batch's labeled tokens over
+the accumulated ones; the GradAcc net through its default count.
+
+    python -m benchmarks.trainer_comparison --out benchmark_results
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+B, K, EPOCHS, LR, N_SEQ, IGNORE = 4, 8, 2, 0.1, 256, -100
+RUNS = ['skorch_acc', 'skorch_large', 'trainer_acc', 'trainer_large']
+
+
+def make_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=512, n_positions=256, n_embd=64, n_layer=2,
+                        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).double()
+
+
+def make_sequences():
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, 512, size=n) for n in rng.integers(8, 200, N_SEQ)]
+
+
+def pad(sequences):
+    """input_ids, attention_mask, and labels -100 on padding and position 0."""
+    ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.as_tensor(s) for s in sequences], batch_first=True)
+    mask = (torch.arange(ids.shape[1])
+            < torch.tensor([len(s) for s in sequences])[:, None]).long()
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[:, 0] = IGNORE  # never a target, so counting labels is exact
+    return {'input_ids': ids, 'attention_mask': mask, 'labels': labels}
+
+
+def shifted_loss(logits, labels, num_items_in_batch=None):
+    """Cross-entropy of the next token: summed, or per item if counted."""
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+        ignore_index=IGNORE, reduction='sum' if num_items_in_batch else 'mean')
+    return loss / num_items_in_batch if num_items_in_batch else loss
+
+
+class ShiftedCrossEntropy(torch.nn.CrossEntropyLoss):
+    """The next token's cross-entropy; the default count is its labels."""
+
+    def forward(self, logits, labels):
+        return shifted_loss(logits, labels)
+
+
+def train_skorch(model, sequences, batch_size, acc_steps):
+    from skorch_gradacc import GradAccNeuralNet
+    from skorch_gradacc.loss_items import check_loss_is_mean
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.lm(input_ids=input_ids,
+                           attention_mask=attention_mask).logits
+
+    def collate(items):
+        batch = pad(items)
+        return batch, batch.pop('labels')
+
+    net = GradAccNeuralNet(
+        LM, criterion=ShiftedCrossEntropy, batch_size=batch_size,
+        acc_steps=acc_steps, optimizer=torch.optim.SGD, lr=LR,
+        max_epochs=EPOCHS, train_split=None, verbose=0,
+        iterator_train__collate_fn=collate, iterator_train__shuffle=False,
+        dataset=lambda X, y=None: X)
+    net.fit(sequences)
+    if acc_steps == 1:  # plain skorch's training: no check
+        return net.module_.lm, None
+    # the cost of check_loss, paid once per fit: on the first micro-batch
+    batch = next(iter(net.get_iterator(net.get_dataset(sequences), True)))
+    start = time.perf_counter()
+    check_loss_is_mean(net, batch)
+    return net.module_.lm, time.perf_counter() - start
+
+
+def train_trainer(model, sequences, batch_size, acc_steps):
+    from transformers import Trainer, TrainingArguments
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=acc_steps, num_train_epochs=EPOCHS,
+            learning_rate=LR, lr_scheduler_type='constant', optim='sgd',
+            weight_decay=0.0, max_grad_norm=0.0, report_to=[],
+            save_strategy='no', logging_strategy='no', use_cpu=True,
+            train_sampling_strategy='sequential', dataloader_drop_last=False)
+        Trainer(model=model, args=args, train_dataset=sequences,
+                data_collator=pad, compute_loss_func=lambda out, labels, **kw:
+                shifted_loss(out.logits, labels, **kw)).train()
+    return model, None
+
+
+def run(name, out):
+    """One run, in this process: save its parameters, print its numbers."""
+    import transformers.trainer  # noqa: F401, imports before the baseline
+
+    import skorch_gradacc  # noqa: F401
+    torch.set_num_threads(1)
+    model, sequences = make_model(), make_sequences()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    batch_size, acc_steps = (B, K) if name.endswith('_acc') else (B * K, 1)
+    train = train_skorch if name.startswith('skorch') else train_trainer
+    start = time.perf_counter()
+    model, check = train(model, sequences, batch_size, acc_steps)
+    seconds = (time.perf_counter() - start) / EPOCHS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+    torch.save(model.state_dict(), out)
+    print(json.dumps({'s_per_epoch': seconds, 'peak_rss_mib': peak / 1024,
+                      'check_s': check}))
+
+
+def distance(a, b):
+    return max((a[key] - b[key]).abs().max().item() for key in a)
+
+
+def main(out_dir):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
+    with tempfile.TemporaryDirectory() as tmp:
+        numbers, params = {}, {}
+        for name in RUNS:
+            path = Path(tmp) / (name + '.pt')
+            proc = subprocess.run(
+                [sys.executable, '-m', 'benchmarks.trainer_comparison',
+                 '--run', name, str(path)], env=env, capture_output=True,
+                text=True, check=True)
+            numbers[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            params[name] = torch.load(path)
+    rows = [
+        '| run | max abs param distance | to | s / epoch | peak RSS (MiB) '
+        '| loss check (s) |', '|---|---|---|---|---|---|']
+    for name, ref in [('skorch_acc', 'skorch_large'),
+                      ('trainer_acc', 'trainer_large'),
+                      ('skorch_large', 'trainer_large'),
+                      ('trainer_large', 'skorch_large')]:
+        check = numbers[name]['check_s']
+        rows.append('| {} | {:.1e} | {} | {:.2f} | {:.0f} | {} |'.format(
+            name, distance(params[name], params[ref]), ref,
+            numbers[name]['s_per_epoch'], numbers[name]['peak_rss_mib'],
+            '-' if check is None else '{:.3f}'.format(check)))
+    text = '\n'.join([
+        '# GradAcc net and transformers Trainer: exactness, time, memory', '',
+        'Tiny GPT-2 (2 layers, 64 dims, vocab 512), float64, {} sequences of '
+        '8 to 199 tokens, micro-batch {}, k={}, {} epochs, SGD lr={}, one '
+        'thread; `python -m benchmarks.trainer_comparison`.'.format(
+            N_SEQ, B, K, EPOCHS, LR), ''] + rows + [
+        '', 'The loss check runs once per fit: {:.1%} of one epoch here.'
+        .format(numbers['skorch_acc']['check_s']
+                / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / 'trainer_comparison.md').write_text(text)
+    print(text)
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--out', default='benchmark_results')
+    parser.add_argument('--run', nargs=2, metavar=('NAME', 'PATH'))
+    args = parser.parse_args()
+    if args.run:
+        run(*args.run)
+    else:
+        main(args.out)
