@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.grouping import MicroBatchGroups
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
@@ -280,7 +281,7 @@ def gradient_sync(net):
     return sync
 
 
-class DistributedGradAccMixin:
+class DistributedGradAccMixin(RankZeroCheckpointMixin):
     """Mixin that trains a GradAcc net with DistributedDataParallel.
 
     Put it in front of a GradAcc net, e.g. ``class
@@ -309,11 +310,14 @@ class DistributedGradAccMixin:
 
     Validation runs on every rank over the whole validation set, so every
     rank records the single process's scores. Like a net prepared by
-    Accelerate, the net cannot be pickled while its module is wrapped; use
-    ``save_params`` on one rank, or ``net.module_.module`` for the
-    unwrapped module. A training iterator with a
-    :class:`~torch.utils.data.DistributedSampler` is taken as sharded
-    already, and its sampler's ``set_epoch`` is called each epoch.
+    Accelerate, the net cannot be pickled while its module is wrapped.
+    ``save_params`` (and skorch's ``Checkpoint``) writes once, from rank 0,
+    with the unwrapped module's keys, so that any net loads the files;
+    ``load_params`` loads on every rank
+    (:class:`~skorch_gradacc.checkpoints.RankZeroCheckpointMixin`). A
+    training iterator with a :class:`~torch.utils.data.DistributedSampler`
+    is taken as sharded already, and its sampler's ``set_epoch`` is called
+    each epoch.
 
     The step protocol (:class:`GradientSync`) applies to any module wrapped
     in DistributedDataParallel, also by skorch's ``AccelerateMixin``, whose
@@ -338,6 +342,14 @@ class DistributedGradAccMixin:
             self.module_ = DistributedDataParallel(self.module_,
                                                    device_ids=device_ids)
         return self
+
+    def _get_module(self, name, msg):
+        # skorch's save_params and load_params read and write the module
+        # through this: give them the unwrapped module, a plain net's keys
+        module = super()._get_module(name, msg)
+        if isinstance(module, DistributedDataParallel):
+            return module.module
+        return module
 
     def run_single_epoch(self, iterator, training, prefix, step_fn,
                          **fit_params):

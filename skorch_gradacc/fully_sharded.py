@@ -11,7 +11,8 @@ each:
   the global item count:
   :meth:`FullyShardedGradAccMixin._accumulate_gradients`;
 * one full, unsharded checkpoint, written by rank 0 and read by every
-  rank: :meth:`FullyShardedGradAccMixin.save_params`, and skorch's own
+  rank: :meth:`FullyShardedGradAccMixin._checkpoint_states` (with
+  :class:`~skorch_gradacc.checkpoints.RankZeroCheckpointMixin`), and skorch's own
   ``save_params`` and ``load_params`` through
   :meth:`FullyShardedGradAccMixin._get_module`.
 """
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from skorch_gradacc.batching import batch_len, concat_outputs, detach_outputs
+from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.distributed import StepSync, gradient_sync
 from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
 
@@ -220,7 +222,7 @@ class FullyShardedSync(StepSync):
                 "unit={!r}.".format(unit))
 
 
-class FullyShardedGradAccMixin:
+class FullyShardedGradAccMixin(RankZeroCheckpointMixin):
     """Mixin that trains a GradAcc net with fully sharded data parallel.
 
     Put it in front of a GradAcc net, e.g. ``class
@@ -527,27 +529,26 @@ class FullyShardedGradAccMixin:
         set_optimizer_state_dict(self.module_, optimizer, state_dict,
                                  options=options)
 
-    def save_params(self, f_params=None, f_optimizer=None, f_criterion=None,
-                    f_history=None, use_safetensors=False, **kwargs):
-        """Save one full, unsharded checkpoint; call it on every rank.
+    save_needs_every_rank = True  # the full states are gathered
 
-        The module's and the optimizers' states are gathered from all ranks
-        and written by rank 0, in the format of a plain net, which loads
-        them with its own ``load_params``. The other ranks write nothing.
-        The arguments are those of skorch's ``save_params``.
-        """
-        files = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer,
-                     f_criterion=f_criterion, f_history=f_history)
+    @contextlib.contextmanager
+    def _checkpoint_states(self, files):
+        """Gather the full states to save from all ranks (collective)."""
         modules, _ = _check_f_arguments('save_params', **files)
+        if getattr(self, 'initialized_', False):
+            # a root with parameters of its own stays unsharded after a
+            # forward pass without backward (validation, predict); the
+            # optimizer holds the sharded ones
+            for module in self.module_.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         self.full_states_ = {
             attr: self._full_state_dict(attr) for attr in modules
             if self._is_sharded(attr) and getattr(self, 'initialized_', False)}
         try:
-            if dist.get_rank() == 0:
-                super().save_params(use_safetensors=use_safetensors, **files)
+            yield
         finally:
             self.full_states_ = None
-        dist.barrier()  # the files are there for every rank
 
     def get_loss(self, y_pred, y_true, X=None, training=False):
         """Return the loss; in training its gradient is weighted by its count.
