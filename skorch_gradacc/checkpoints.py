@@ -85,7 +85,10 @@ def wait_for_ranks(what, timeout):
     if world_size == 1:
         return
     _arrivals[what] += 1
-    prefix = 'skorch_gradacc/{}/{}/'.format(what, _arrivals[what])
+    # torchrun keeps one store across restarts: keys of an earlier attempt
+    # must not count as arrivals
+    prefix = 'skorch_gradacc/{}/{}/{}/'.format(
+        os.environ.get('TORCHELASTIC_RESTART_COUNT', 0), what, _arrivals[what])
     keys = [prefix + str(rank) for rank in range(world_size)]
     store = dist.distributed_c10d._get_default_store()
     store.set(keys[dist.get_rank()], b'1')

@@ -12,7 +12,8 @@ docs/scaling_out.rst says). MODE is
 * ``rank0``: then ``if rank == 0: net.save_params(...)``, with a short
   ``rank_wait_timeout``; its error, if any, is saved;
 * ``crash``: rank 1 exits with ``os._exit(1)`` in the second step of epoch
-  4, in the first attempt only (``TORCHELASTIC_RESTART_COUNT``).
+  4, in the first attempt only (``TORCHELASTIC_RESTART_COUNT``);
+* ``crash_shuffle``: the same with ``iterator_train__shuffle=True``.
 
 Each rank saves its files written (``torch.save`` calls), history and
 restart count to OUT_DIR/rank{r}.pt.
@@ -89,7 +90,7 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
     X, y, valid = data()
     cp = Checkpoint(dirname=str(out_dir / 'cp'), monitor=None)
     callbacks = [cp, LoadInitState(cp)]
-    if mode == 'crash':
+    if mode.startswith('crash'):
         callbacks.append(CrashInEpoch4())
     net_cls = DDPRegressor if engine == 'ddp' else FSDPRegressor
     net_cls.rank_wait_timeout = 3
@@ -97,7 +98,7 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
     net = net_cls(MLPRegressor, batch_size=BATCH_SIZE,
                   acc_steps=int(acc_steps), lr=0.05, optimizer__momentum=0.9,
                   train_split=predefined_split(valid), callbacks=callbacks,
-                  verbose=0)
+                  iterator_train__shuffle=mode == 'crash_shuffle', verbose=0)
     # max_epochs counts the epochs of one fit: resume with those left
     done = (len(History.from_file(cp.f_history_))
             if os.path.exists(cp.f_history_) else 0)
