@@ -25,6 +25,7 @@ from torch.utils.data import DistributedSampler
 
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.grouping import MicroBatchGroups
+from skorch_gradacc.rank_streams import RankRandomStreamMixin
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
 __all__ = ['DistributedGradAccMixin', 'GradientSync', 'StepSync',
@@ -281,7 +282,8 @@ def gradient_sync(net):
     return sync
 
 
-class DistributedGradAccMixin(RankZeroCheckpointMixin):
+class DistributedGradAccMixin(RankZeroCheckpointMixin,
+                              RankRandomStreamMixin):
     """Mixin that trains a GradAcc net with DistributedDataParallel.
 
     Put it in front of a GradAcc net, e.g. ``class

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from skorch_gradacc.batching import batch_len, concat_outputs, detach_outputs
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.distributed import StepSync, gradient_sync
+from skorch_gradacc.rank_streams import RankRandomStreamMixin
 from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
 
 __all__ = ['FullyShardedGradAccMixin', 'FullyShardedSync', 'shard_module']
@@ -222,7 +223,8 @@ class FullyShardedSync(StepSync):
                 "unit={!r}.".format(unit))
 
 
-class FullyShardedGradAccMixin(RankZeroCheckpointMixin):
+class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
+                               RankRandomStreamMixin):
     """Mixin that trains a GradAcc net with fully sharded data parallel.
 
     Put it in front of a GradAcc net, e.g. ``class
