@@ -26,6 +26,7 @@ from torch.utils.data import DistributedSampler
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.grouping import MicroBatchGroups
 from skorch_gradacc.rank_streams import RankRandomStreamMixin
+from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
 __all__ = ['DistributedGradAccMixin', 'GradientSync', 'StepSync',
@@ -282,8 +283,8 @@ def gradient_sync(net):
     return sync
 
 
-class DistributedGradAccMixin(RankZeroCheckpointMixin,
-                              RankRandomStreamMixin):
+class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
+                              ShardedEvaluationMixin):
     """Mixin that trains a GradAcc net with DistributedDataParallel.
 
     Put it in front of a GradAcc net, e.g. ``class
@@ -310,8 +311,10 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin,
     with ``acc_steps=k * W`` on the same iterator, which is plain skorch
     with ``batch_size * k * W`` for a ``batch_size`` iterator.
 
-    Validation runs on every rank over the whole validation set, so every
-    rank records the single process's scores. Like a net prepared by
+    Validation, ``predict``, ``predict_proba`` and ``forward`` are shared
+    among the ranks by batch and gathered in order on every rank
+    (:mod:`skorch_gradacc.sharded_evaluation`), so every rank records the
+    single process's scores; call them on every rank. Like a net prepared by
     Accelerate, the net cannot be pickled while its module is wrapped.
     ``save_params`` (and skorch's ``Checkpoint``) writes once, from rank 0,
     with the unwrapped module's keys, so that any net loads the files;

@@ -36,6 +36,7 @@ from skorch_gradacc.batching import batch_len, concat_outputs, detach_outputs
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.distributed import StepSync, gradient_sync
 from skorch_gradacc.rank_streams import RankRandomStreamMixin
+from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
 from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
 
 __all__ = ['FullyShardedGradAccMixin', 'FullyShardedSync', 'shard_module']
@@ -224,7 +225,8 @@ class FullyShardedSync(StepSync):
 
 
 class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
-                               RankRandomStreamMixin):
+                               RankRandomStreamMixin,
+                               ShardedEvaluationMixin):
     """Mixin that trains a GradAcc net with fully sharded data parallel.
 
     Put it in front of a GradAcc net, e.g. ``class
@@ -266,9 +268,10 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
       rank 0 writes.
 
     Every forward pass gathers parameters from all ranks, so every rank must
-    take part in every forward pass: in training (the mixin sees to it), in
-    validation (every rank scores the whole validation set), and in
-    ``predict``, which must be called on every rank. Options that would let
+    take part in every forward pass: in training and validation (the mixin
+    sees to it; validation is shared among the ranks, see
+    :mod:`skorch_gradacc.sharded_evaluation`), and in ``predict``, which
+    must be called on every rank. Options that would let
     the ranks run different numbers of forward passes (``micro_batch_size``)
     or take different decisions about a step (``skip_nonfinite``) are
     refused. Only the module (``module_``) is sharded; the optimizer must
