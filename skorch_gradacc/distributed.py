@@ -12,7 +12,10 @@ imported from here as well; it is loaded only when asked for.
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.engine import DDPEngine
+from skorch_gradacc.rank_streams import RankRandomStreamMixin
+from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
 
 __all__ = ['DistributedGradAccMixin', 'FullyShardedGradAccMixin']  # noqa: F822
 
@@ -26,7 +29,8 @@ def __getattr__(name):
         "module {!r} has no attribute {!r}".format(__name__, name))
 
 
-class DistributedGradAccMixin:
+class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
+                              ShardedEvaluationMixin):
     """Mixin that trains a GradAcc net with DistributedDataParallel.
 
     Put it in front of a GradAcc net, e.g. ``class
@@ -53,13 +57,18 @@ class DistributedGradAccMixin:
     with ``acc_steps=k * W`` on the same iterator, which is plain skorch
     with ``batch_size * k * W`` for a ``batch_size`` iterator.
 
-    Validation runs on every rank over the whole validation set, so every
-    rank records the single process's scores. Like a net prepared by
-    Accelerate, the net cannot be pickled while its module is wrapped; use
-    ``save_params`` on one rank, or ``net.module_.module`` for the
-    unwrapped module. A training iterator with a
-    :class:`~torch.utils.data.DistributedSampler` is taken as sharded
-    already, and its sampler's ``set_epoch`` is called each epoch.
+    Validation, ``predict``, ``predict_proba`` and ``forward`` are shared
+    among the ranks by batch and gathered in order on every rank
+    (:mod:`skorch_gradacc.sharded_evaluation`), so every rank records the
+    single process's scores; call them on every rank. Like a net prepared by
+    Accelerate, the net cannot be pickled while its module is wrapped.
+    ``save_params`` (and skorch's ``Checkpoint``) writes once, from rank 0,
+    with the unwrapped module's keys, so that any net loads the files;
+    ``load_params`` loads on every rank
+    (:class:`~skorch_gradacc.checkpoints.RankZeroCheckpointMixin`). A
+    training iterator with a :class:`~torch.utils.data.DistributedSampler`
+    is taken as sharded already, and its sampler's ``set_epoch`` is called
+    each epoch.
 
     The engine (:class:`~skorch_gradacc.engine.DDPEngine`) serves any
     module wrapped in DistributedDataParallel, also by skorch's
@@ -89,3 +98,11 @@ class DistributedGradAccMixin:
         if isinstance(self.module_, DistributedDataParallel):
             return DDPEngine(self.module_, shard=True)
         return super().make_engine()
+
+    def _get_module(self, name, msg):
+        # skorch's save_params and load_params read and write the module
+        # through this: give them the unwrapped module, a plain net's keys
+        module = super()._get_module(name, msg)
+        if isinstance(module, DistributedDataParallel):
+            return module.module
+        return module

@@ -12,7 +12,8 @@ each:
   passes on every rank, the reduce-scatter, and the unit of the counts:
   :class:`FullyShardedEngine`;
 * one full, unsharded checkpoint, written by rank 0 and read by every
-  rank: :meth:`FullyShardedGradAccMixin.save_params`, and skorch's own
+  rank: :meth:`FullyShardedGradAccMixin._checkpoint_states` (with
+  :class:`~skorch_gradacc.checkpoints.RankZeroCheckpointMixin`), and skorch's own
   ``save_params`` and ``load_params`` through
   :meth:`FullyShardedGradAccMixin._get_module`.
 """
@@ -23,8 +24,11 @@ import torch
 import torch.distributed as dist
 from skorch.utils import _check_f_arguments
 
+from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.engine import DataParallelEngine
 from skorch_gradacc.precision import AUTOCAST_DTYPES
+from skorch_gradacc.rank_streams import RankRandomStreamMixin
+from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
 from skorch_gradacc.sharding import zero_rows
 
 #: The oldest torch whose FSDP2 this module uses: ``fully_shard``, and
@@ -271,7 +275,9 @@ class FullyShardedEngine(DataParallelEngine):
         run_empty_pass(self._template)
 
 
-class FullyShardedGradAccMixin:
+class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
+                               RankRandomStreamMixin,
+                               ShardedEvaluationMixin):
     """Mixin that trains a GradAcc net with fully sharded data parallel.
 
     Put it in front of a GradAcc net, e.g. ``class
@@ -315,8 +321,9 @@ class FullyShardedGradAccMixin:
 
     Every forward pass gathers parameters from all ranks, so every rank must
     take part in every forward pass: in training (the mixin sees to it), in
-    validation (every rank scores the whole validation set), and in
-    ``predict``, which must be called on every rank. With
+    validation and ``predict`` (shared among the ranks, see
+    :mod:`skorch_gradacc.sharded_evaluation`), which must be called on
+    every rank. With
     ``micro_batch_size='auto'``, a pass that runs out of memory on one rank
     is finished as a zero-row pass, and every rank backs off to the same
     size; with ``skip_nonfinite``, the ranks skip a step if any shard is not
@@ -499,27 +506,26 @@ class FullyShardedGradAccMixin:
         set_optimizer_state_dict(self.module_, optimizer, state_dict,
                                  options=options)
 
-    def save_params(self, f_params=None, f_optimizer=None, f_criterion=None,
-                    f_history=None, use_safetensors=False, **kwargs):
-        """Save one full, unsharded checkpoint; call it on every rank.
+    save_needs_every_rank = True  # the full states are gathered
 
-        The module's and the optimizers' states are gathered from all ranks
-        and written by rank 0, in the format of a plain net, which loads
-        them with its own ``load_params``. The other ranks write nothing.
-        The arguments are those of skorch's ``save_params``.
-        """
-        files = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer,
-                     f_criterion=f_criterion, f_history=f_history)
+    @contextlib.contextmanager
+    def _checkpoint_states(self, files):
+        """Gather the full states to save from all ranks (collective)."""
         modules, _ = _check_f_arguments('save_params', **files)
+        if getattr(self, 'initialized_', False):
+            # a root with parameters of its own stays unsharded after a
+            # forward pass without backward (validation, predict); the
+            # optimizer holds the sharded ones
+            for module in self.module_.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         self._full_states_ = {
             attr: self._full_state_dict(attr) for attr in modules
             if self._is_sharded(attr) and getattr(self, 'initialized_', False)}
         try:
-            if dist.get_rank() == 0:
-                super().save_params(use_safetensors=use_safetensors, **files)
+            yield
         finally:
             self._full_states_ = None
-        dist.barrier()  # the files are there for every rank
 
 
 class _FullState:

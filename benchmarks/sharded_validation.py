@@ -1,0 +1,94 @@
+"""Wall time of a validation epoch on W=2 ranks against W=1 (gloo, CPU).
+
+    python -m benchmarks.sharded_validation
+
+starts this file under ``torchrun`` with 1 and then 2 ranks, one torch
+thread each; every rank times a validation epoch (the median of 5) of a
+``DistributedGradAccMixin`` net on 4096 rows, whose batches the ranks
+share (:mod:`skorch_gradacc.sharded_evaluation`). It prints the times and
+their ratio, and rank 0's CPU time (the work it does, whatever the load),
+and writes them to benchmarks/results/sharded_validation.json. Expected on
+two free cores: about 0.5x, plus the gathering of the outputs.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / 'results' / 'sharded_validation.json'
+N_ROWS, N_FEATURES, BATCH_SIZE, REPEATS = 4096, 512, 64, 5
+
+
+def time_validation():
+    """On one rank: the median wall time of a validation epoch, seconds."""
+    import torch.distributed as dist
+    from skorch.dataset import Dataset
+
+    from skorch_gradacc import GradAccNeuralNetClassifier
+    from skorch_gradacc.distributed import DistributedGradAccMixin
+
+    class DDPNet(DistributedGradAccMixin, GradAccNeuralNetClassifier):
+        pass
+
+    dist.init_process_group('gloo')
+    torch.manual_seed(0)
+    X = torch.randn(N_ROWS, N_FEATURES)
+    y = torch.randint(0, 10, (N_ROWS,))
+    module = torch.nn.Sequential(
+        torch.nn.Linear(N_FEATURES, 2048), torch.nn.ReLU(),
+        torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+        torch.nn.Linear(2048, 10), torch.nn.Softmax(dim=-1))
+    net = DDPNet(module, batch_size=BATCH_SIZE, verbose=0).initialize()
+    iterator = net.get_iterator(Dataset(X, y), training=False)
+    times, cpu_times = [], []
+    for _ in range(REPEATS):
+        net.history.new_epoch()
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        net.run_single_epoch(iterator, training=False, prefix='valid',
+                             step_fn=net.validation_step)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    if dist.get_rank() == 0:
+        print('SECONDS', statistics.median(times),
+              statistics.median(cpu_times), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip Python's teardown, where gloo can abort
+
+
+def run(nproc):
+    env = dict(os.environ, OMP_NUM_THREADS='1',
+               PYTHONPATH=str(Path(__file__).parent.parent))
+    out = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nproc_per_node', str(nproc), __file__, 'worker'],
+        capture_output=True, text=True, env=env, check=True).stdout
+    return [float(value) for value in out.split('SECONDS')[1].split()[:2]]
+
+
+def main():
+    (one, cpu_one), (two, cpu_two) = run(1), run(2)
+    result = {'rows': N_ROWS, 'batch_size': BATCH_SIZE, 'w1_seconds': one,
+              'w2_seconds': two, 'ratio': two / one,
+              'w1_rank0_cpu_seconds': cpu_one, 'w2_rank0_cpu_seconds': cpu_two,
+              'cpu_ratio': cpu_two / cpu_one,
+              'load_average': os.getloadavg()[0]}
+    print('validation epoch: W=1 {:.3f} s, W=2 {:.3f} s, ratio {:.2f}x; '
+          "rank 0's CPU time ratio {:.2f}x; load average {:.1f}".format(
+              one, two, two / one, cpu_two / cpu_one, os.getloadavg()[0]))
+    RESULTS.write_text(json.dumps(result, indent=2) + '\n')
+
+
+if __name__ == '__main__':
+    if sys.argv[1:] == ['worker']:
+        time_validation()
+    else:
+        main()

@@ -1,0 +1,147 @@
+"""Checkpoints across ranks: written once, loadable anywhere, and restarts.
+
+torchrun starts tests/torchrun_scripts/checkpoint_worker.py: a regressor on
+195 training and 61 validation rows, float64, with skorch's ``Checkpoint``
+and ``LoadInitState``. The oracle is plain skorch in one process at the
+large batch, ``8 * acc_steps * world_size = 48`` rows, trained without
+interruption.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from skorch import NeuralNetRegressor
+from skorch.dataset import Dataset
+from skorch.helper import predefined_split
+
+from conftest import PARAM_ATOL, MLPRegressor, RecordParams, regression_data
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).parent / 'torchrun_scripts' / 'checkpoint_worker.py'
+N_TRAIN, N_VALID, LARGE_BATCH = 195, 61, 48
+TIME_LIMIT = 240
+
+
+# the launch that restarts reliably (docs/scaling_out.rst): a fresh store
+# for each attempt
+RESTARTS = ('--standalone', '--max-restarts', '1')
+FRESH_STORE = {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
+
+
+def torchrun(out_dir, engine, nproc, acc_steps, epochs, mode='train',
+             launch=('--standalone',), env=None):
+    env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))
+    return subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', *launch,
+         '--nproc_per_node', str(nproc), str(WORKER), str(out_dir), engine,
+         str(acc_steps), str(epochs), mode],
+        capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
+
+
+def run_ranks(out_dir, engine, nproc, acc_steps, epochs, mode='train',
+              **kwargs):
+    proc = torchrun(out_dir, engine, nproc, acc_steps, epochs, mode, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out_dir / 'rank{}.pt'.format(rank), weights_only=False)
+            for rank in range(nproc)]
+
+
+def plain_net(**kwargs):
+    X, y = regression_data(N_TRAIN + N_VALID)
+    valid = Dataset(X[N_TRAIN:], y[N_TRAIN:])
+    return NeuralNetRegressor(
+        MLPRegressor, batch_size=LARGE_BATCH, lr=0.05, optimizer__momentum=0.9,
+        train_split=predefined_split(valid), verbose=0,
+        **kwargs), X[:N_TRAIN], y[:N_TRAIN]
+
+
+@pytest.fixture(scope='module')
+def oracle():
+    """Plain skorch, 5 uninterrupted epochs; its parameters after each."""
+    record = RecordParams()
+    net, X, y = plain_net(max_epochs=5, callbacks=[record])
+    torch.manual_seed(0)
+    net.fit(X, y)
+    return net, record.params_
+
+
+def load_plain(cp_dir):
+    """A plain single-process net that loads the checkpoint."""
+    net, _, _ = plain_net()
+    torch.manual_seed(1)  # other initial weights: the checkpoint replaces them
+    net.initialize()
+    net.load_params(f_params=cp_dir / 'params.pt',
+                    f_optimizer=cp_dir / 'optimizer.pt',
+                    f_history=cp_dir / 'history.json')
+    return net
+
+
+def assert_matches_oracle(net, oracle, epochs):
+    oracle_net, params = oracle
+    for key, value in params[epochs - 1].items():
+        torch.testing.assert_close(net.module_.state_dict()[key], value,
+                                   rtol=0, atol=PARAM_ATOL)
+    for key in ('train_loss', 'valid_loss'):
+        np.testing.assert_allclose(net.history[:, key],
+                                   oracle_net.history[:epochs, key],
+                                   rtol=1e-10)
+
+
+def written(rank):
+    """The files a rank wrote with torch.save under a temporary name."""
+    return [name.rsplit('.', 2)[0] for name in rank['saves']
+            if name.endswith('.tmp')]
+
+
+def test_checkpoints_load_anywhere_and_back(tmp_path, oracle):
+    # DDP, 2 ranks: Checkpoint every epoch, then the habit
+    # `if rank == 0: net.save_params(...)`, which needs no collective
+    ranks = run_ranks(tmp_path, 'ddp', 2, 3, 2, mode='rank0')
+    assert written(ranks[1]) == []  # rank 0 alone writes
+    # each file of each epoch's checkpoint once, under a temporary name
+    assert sorted(written(ranks[0])) == sorted(
+        ['criterion.pt', 'optimizer.pt', 'params.pt'] * 2 + ['rank0_params.pt'])
+    assert ranks[0]['error'] is None
+    assert not list(tmp_path.glob('**/*.tmp'))  # all renamed
+    cp = tmp_path / 'cp'
+    plain = load_plain(cp)  # DDP's files load into a plain net
+    assert_matches_oracle(plain, oracle, 2)
+    rank0 = torch.load(tmp_path / 'rank0_params.pt')
+    assert set(rank0) == set(plain.module_.state_dict())  # no 'module.'
+
+    # FSDP at 3 ranks resumes from DDP's files for a third epoch; the
+    # habit `if rank == 0` now raises, naming the ranks that did not come
+    ranks = run_ranks(tmp_path, 'fsdp', 3, 2, 3, mode='rank0')
+    assert 'rank(s) [1, 2] did not call it' in ranks[0]['error']
+    assert all(len(rank['history']) == 3 for rank in ranks)
+    assert_matches_oracle(load_plain(cp), oracle, 3)
+
+    # and back: DDP at 2 ranks resumes from FSDP's files for a fourth
+    run_ranks(tmp_path, 'ddp', 2, 3, 4)
+    assert_matches_oracle(load_plain(cp), oracle, 4)
+
+
+@pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
+def test_a_restart_resumes_as_if_uninterrupted(tmp_path, oracle, engine):
+    # rank 1 dies in epoch 4; torchrun restarts both ranks, LoadInitState
+    # resumes from epoch 3's checkpoint, and fit trains the 2 epochs left
+    ranks = run_ranks(tmp_path, engine, 2, 3, 5, mode='crash',
+                      launch=RESTARTS, env=FRESH_STORE)
+    assert [rank['restart'] for rank in ranks] == [1, 1]
+    assert all(len(rank['history']) == 5 for rank in ranks)
+    assert_matches_oracle(load_plain(tmp_path / 'cp'), oracle, 5)
+
+
+def test_a_restart_with_shuffled_data_resumes(tmp_path):
+    # the order after a restart is not the uninterrupted run's (the random
+    # state is not in the checkpoint), but the run resumes and completes
+    ranks = run_ranks(tmp_path, 'ddp', 2, 3, 5, mode='crash_shuffle',
+                      launch=RESTARTS, env=FRESH_STORE)
+    assert [rank['restart'] for rank in ranks] == [1, 1]
+    assert [len(rank['history']) for rank in ranks] == [5, 5]

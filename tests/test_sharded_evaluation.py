@@ -1,0 +1,72 @@
+"""Validation and inference shared among ranks, against one process.
+
+torchrun starts tests/torchrun_scripts/eval_worker.py on 2 gloo ranks; the
+oracle is plain skorch in one process at the large batch (48 rows), with
+the same validation batches.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from skorch import NeuralNetClassifier
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
+sys.path.insert(0, str(SCRIPTS))
+
+from eval_worker import (  # noqa: E402
+    N_VALID,
+    VALID_BATCH,
+    CountingMLP,
+    data,
+    net_kwargs,
+)
+
+SCORES = ['valid_loss', 'valid_acc', 'valid_accuracy', 'valid_nll',
+          'valid_bacc']
+
+
+@pytest.fixture(scope='module')
+def single_process():
+    X, y, X_valid, _ = data()
+    torch.manual_seed(0)
+    net = NeuralNetClassifier(batch_size=48, max_epochs=2, **net_kwargs())
+    CountingMLP.eval_rows = CountingMLP.eval_passes = 0
+    net.fit(X, y)
+    return net, net.predict(X_valid), net.predict_proba(X_valid)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
+def test_evaluation_is_shared_and_exact(tmp_path, engine, single_process):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nproc_per_node', '2', str(SCRIPTS / 'eval_worker.py'),
+         str(tmp_path), engine],
+        capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / 'rank{}.pt'.format(rank),
+                        weights_only=False) for rank in range(2)]
+    net, predict, proba = single_process
+    for rank in ranks:
+        for key in SCORES:
+            np.testing.assert_allclose([row[key] for row in rank['history']],
+                                       net.history[:, key], rtol=1e-10)
+        assert [[b['valid_batch_size'] for b in row['batches']
+                 if 'valid_batch_size' in b] for row in rank['history']] == (
+            net.history[:, 'batches', :, 'valid_batch_size'])
+        np.testing.assert_array_equal(rank['predict'], predict)
+        np.testing.assert_allclose(rank['predict_proba'], proba, rtol=1e-10)
+    # 2 validations, 2 scorings without cache, predict, predict_proba: each
+    # row once over the ranks; 9 batches (8 of 7 rows, one of 5) in 5 rounds
+    # of 2: rank 0 has batches 0, 2, 4, 6, 8 and rank 1 a zero-row pass last
+    assert ranks[0]['eval_rows'] + ranks[1]['eval_rows'] == 6 * N_VALID
+    assert ranks[1]['eval_rows'] == 6 * 4 * VALID_BATCH
+    assert ranks[0]['eval_passes'] == ranks[1]['eval_passes'] == 6 * 5

@@ -1,0 +1,125 @@
+"""One rank of a data-parallel fit with skorch's checkpoints; started by
+tests/test_checkpoints.py under ``torchrun``.
+
+Usage: checkpoint_worker.py OUT_DIR ENGINE ACC_STEPS EPOCHS [MODE], where
+ENGINE is ``ddp`` or ``fsdp``. A regressor trains on 195 rows with 61
+validation rows, ``batch_size=8``, with ``Checkpoint(monitor=None)`` and
+``LoadInitState`` in OUT_DIR/cp: a run resumes from the files there, and
+trains until the history holds EPOCHS epochs (``fit(epochs=...)``, as
+docs/scaling_out.rst says). MODE is
+
+* ``train`` (default);
+* ``rank0``: then ``if rank == 0: net.save_params(...)``, with a short
+  ``rank_wait_timeout``; its error, if any, is saved;
+* ``crash``: rank 1 exits with ``os._exit(1)`` in the second step of epoch
+  4, in the first attempt only (``TORCHELASTIC_RESTART_COUNT``);
+* ``crash_shuffle``: the same with ``iterator_train__shuffle=True``.
+
+Each rank saves its files written (``torch.save`` calls), history and
+restart count to OUT_DIR/rank{r}.pt.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+
+from skorch.callbacks import Callback, Checkpoint, LoadInitState  # noqa: E402
+from skorch.dataset import Dataset  # noqa: E402
+from skorch.helper import predefined_split  # noqa: E402
+from skorch.history import History  # noqa: E402
+
+from skorch_gradacc import GradAccNeuralNetRegressor  # noqa: E402
+from skorch_gradacc.distributed import (  # noqa: E402
+    DistributedGradAccMixin,
+    FullyShardedGradAccMixin,
+)
+
+from conftest import MLPRegressor, regression_data  # noqa: E402
+
+N_TRAIN, N_VALID, BATCH_SIZE = 195, 61, 8
+SAVES = []
+_torch_save = torch.save
+
+
+def counting_save(obj, f, *args, **kwargs):
+    SAVES.append(os.path.basename(str(f)))
+    return _torch_save(obj, f, *args, **kwargs)
+
+
+torch.save = counting_save  # skorch's save_params looks it up at each call
+
+
+class DDPRegressor(DistributedGradAccMixin, GradAccNeuralNetRegressor):
+    pass
+
+
+class FSDPRegressor(FullyShardedGradAccMixin, GradAccNeuralNetRegressor):
+    pass
+
+
+class CrashInEpoch4(Callback):
+    """Rank 1 dies in the second step of epoch 4, in the first attempt."""
+
+    def on_epoch_begin(self, net, **kwargs):
+        self.steps_ = 0
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        self.steps_ += training
+        if (training and len(net.history) == 4 and self.steps_ == 2
+                and dist.get_rank() == 1
+                and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '0'):
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def data():
+    X, y = regression_data(N_TRAIN + N_VALID)
+    return X[:N_TRAIN], y[:N_TRAIN], Dataset(X[N_TRAIN:], y[N_TRAIN:])
+
+
+def main(out_dir, engine, acc_steps, epochs, mode='train'):
+    out_dir = Path(out_dir)
+    dist.init_process_group('gloo')
+    rank = dist.get_rank()
+    X, y, valid = data()
+    cp = Checkpoint(dirname=str(out_dir / 'cp'), monitor=None)
+    callbacks = [cp, LoadInitState(cp)]
+    if mode.startswith('crash'):
+        callbacks.append(CrashInEpoch4())
+    net_cls = DDPRegressor if engine == 'ddp' else FSDPRegressor
+    net_cls.rank_wait_timeout = 3
+    torch.manual_seed(0)  # the same initial weights on every rank
+    net = net_cls(MLPRegressor, batch_size=BATCH_SIZE,
+                  acc_steps=int(acc_steps), lr=0.05, optimizer__momentum=0.9,
+                  train_split=predefined_split(valid), callbacks=callbacks,
+                  iterator_train__shuffle=mode == 'crash_shuffle', verbose=0)
+    # max_epochs counts the epochs of one fit: resume with those left
+    done = (len(History.from_file(cp.f_history_))
+            if os.path.exists(cp.f_history_) else 0)
+    net.fit(X, y, epochs=int(epochs) - done)
+    error = None
+    if mode == 'rank0' and rank == 0:
+        try:
+            net.save_params(f_params=out_dir / 'rank0_params.pt')
+        except RuntimeError as exc:
+            error = str(exc)
+    _torch_save({
+        'saves': SAVES,
+        'error': error,
+        'restart': int(os.environ.get('TORCHELASTIC_RESTART_COUNT', -1)),
+        'history': net.history.to_list(),
+    }, out_dir / 'rank{}.pt'.format(rank))
+    dist.barrier()  # no rank tears down while another still talks
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+
+
+if __name__ == '__main__':
+    main(*sys.argv[1:])
