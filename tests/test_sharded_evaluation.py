@@ -43,8 +43,14 @@ def single_process():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
-def test_evaluation_is_shared_and_exact(tmp_path, engine, single_process):
+# evaluation passes per rank over one pass of the validation set: 5
+# rounds, or with micro_batch_size=3 (fsdp-micro) 3 pieces of each 7-row
+# batch and 2 in the last round, where rank 1 runs 2 zero-row passes, so
+# that FSDP's ranks gather parameters alike
+@pytest.mark.parametrize('engine, passes', [
+    ('ddp', 5), ('fsdp', 5), ('fsdp-micro', 4 * 3 + 2)])
+def test_evaluation_is_shared_and_exact(tmp_path, engine, passes,
+                                        single_process):
     proc = subprocess.run(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone',
          '--nproc_per_node', '2', str(SCRIPTS / 'eval_worker.py'),
@@ -69,4 +75,4 @@ def test_evaluation_is_shared_and_exact(tmp_path, engine, single_process):
     # of 2: rank 0 has batches 0, 2, 4, 6, 8 and rank 1 a zero-row pass last
     assert ranks[0]['eval_rows'] + ranks[1]['eval_rows'] == 6 * N_VALID
     assert ranks[1]['eval_rows'] == 6 * 4 * VALID_BATCH
-    assert ranks[0]['eval_passes'] == ranks[1]['eval_passes'] == 6 * 5
+    assert ranks[0]['eval_passes'] == ranks[1]['eval_passes'] == 6 * passes

@@ -1,7 +1,8 @@
 """One rank of a data-parallel fit with validation and scoring; started by
 tests/test_sharded_evaluation.py under ``torchrun``.
 
-Usage: eval_worker.py OUT_DIR ENGINE, ENGINE ``ddp`` or ``fsdp``. A
+Usage: eval_worker.py OUT_DIR ENGINE, ENGINE ``ddp``, ``fsdp`` or
+``fsdp-micro`` (FSDP with ``micro_batch_size=3``: evaluation in pieces). A
 classifier trains on 195 rows for 2 epochs (``batch_size=8``,
 ``acc_steps=3``) with 61 validation rows in batches of 7 (9 batches, uneven
 over the ranks), scored by ``EpochScoring`` with and without caching and by
@@ -81,7 +82,9 @@ def main(out_dir, engine):
     X, y, X_valid, _ = data()
     torch.manual_seed(0)  # the same initial weights on every rank
     net_cls = DDPNet if engine == 'ddp' else FSDPNet
-    net = net_cls(batch_size=8, acc_steps=3, max_epochs=2, **net_kwargs())
+    micro = {'micro_batch_size': 3} if engine == 'fsdp-micro' else {}
+    net = net_cls(batch_size=8, acc_steps=3, max_epochs=2, **micro,
+                  **net_kwargs())
     net.fit(X, y)
     torch.save({
         'history': net.history.to_list(),
