@@ -85,33 +85,32 @@ def _rank(config):
     os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog='python -m benchmarks.fsdp_memory',
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument('--out', default='benchmark_results',
-                        help='folder for the results (default: '
-                             'benchmark_results; the committed run is in '
-                             'benchmarks/results)')
-    parser.add_argument('--rank', choices=CONFIGS, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+def tables(results):
+    """The CSV table (rows, the header first) of the saved results."""
+    return {'fsdp_memory': [
+        ['configuration', 'rank', 'init peak (MiB)', 'after init (MiB)',
+         'train peak (MiB)', 'after training (MiB)']] + [
+        [config, rank] + [round(row[column]) for column in COLUMNS]
+        for config in CONFIGS for rank, row in enumerate(results[config])]}
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog='python -m benchmarks.fsdp_memory',
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument('--out', default='benchmark_results',
+                        help='folder for the results (the committed run: '
+                             'benchmarks/results)')
+    parser.add_argument('--rank', choices=CONFIGS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     if args.rank:
         return _rank(args.rank)
     from benchmarks.harness import provenance, save, torchrun
 
-    meta = provenance('benchmarks.fsdp_memory',
-                      sys.argv[1:] if argv is None else argv)
-    results = {config: torchrun('benchmarks.fsdp_memory', '--rank', config)
-               for config in CONFIGS}
-    table = [['configuration', 'rank', 'init peak (MiB)', 'after init (MiB)',
-              'train peak (MiB)', 'after training (MiB)']] + [
-        [config, rank] + [round(row[column]) for column in COLUMNS]
-        for config, ranks in results.items() for rank, row in enumerate(ranks)]
-    for path in save(args.out, 'fsdp_memory', dict(meta=meta, **results),
-                     fsdp_memory=table):
+    results = {'meta': provenance('benchmarks.fsdp_memory', argv)}
+    results.update({config: torchrun('benchmarks.fsdp_memory', '--rank', config)
+                    for config in CONFIGS})
+    for path in save(args.out, 'fsdp_memory', results, **tables(results)):
         print(path.read_text() if path.suffix == '.csv' else path)
     return 0
 

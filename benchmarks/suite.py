@@ -14,8 +14,8 @@ from benchmarks.workloads import (
     AccumGradLoop,
     HandLoop,
     make_data,
-    make_module,
     make_net,
+    make_workload,
 )
 from skorch_gradacc.activation_memory import track_activation_memory
 from skorch_gradacc.demo import max_param_diff
@@ -37,12 +37,6 @@ CONTENDERS = {
     'accelerate': '`AccelerateMixin` + `Accelerator(gradient_accumulation_steps=k)`',
 }
 RSS_CONTENDERS = ('plain_B', 'faq', 'gradacc', 'plain_Bk')
-
-
-def _workload(name, cfg, n=None, dtype=torch.float32):
-    kwargs = cfg.get('module_kwargs', {})
-    X, y = make_data(name, cfg['n'] if n is None else n, dtype=dtype, **kwargs)
-    return (X, y) + make_module(name, dtype=dtype, **kwargs)
 
 
 def _epoch(kind, module, module_kwargs, B, k, X, y, **kwargs):
@@ -71,7 +65,7 @@ def overhead(models, rounds, warmup=1):
 
 
 def _overhead_one(name, cfg, rounds, warmup):
-    X, y, module, module_kwargs = _workload(name, cfg)
+    X, y, module, module_kwargs = make_workload(name, cfg)
     B, k = cfg['B'], cfg['k']
     torch.manual_seed(0)
     epoch = functools.partial(_epoch, module=module,
@@ -136,9 +130,9 @@ def _gap(cpu, config):
 
 
 def _fitted(kind, model, module_kwargs, batch_size, acc_steps, n_rows):
-    X, y = make_data(model, n_rows, **module_kwargs)
-    net = make_net(kind, *make_module(model, **module_kwargs), batch_size,
-                   acc_steps)
+    X, y, module, module_kwargs = make_workload(
+        model, {'n': n_rows, 'module_kwargs': module_kwargs})
+    net = make_net(kind, module, module_kwargs, batch_size, acc_steps)
     torch.manual_seed(0)
     return net.initialize(), X, y
 
@@ -152,8 +146,8 @@ def activation_peak(*args):
 
 
 def rss_peak(*args):
-    """Peak RSS growth (KiB) and activation peak of one epoch, in a fresh
-    process (``harness.fresh_process``)."""
+    """Peak RSS growth (KiB) and activation peak of one epoch; run it in a
+    fresh process (``harness.fresh_process``)."""
     net, X, y = _fitted(*args)
     # the meter only wraps what autograd saves anyway: it adds no tensors
     with track_activation_memory() as meter:
@@ -241,7 +235,7 @@ def exactness(models, epochs):
 
 
 def _exactness_one(name, cfg, epochs):
-    X, y, module, module_kwargs = _workload(name, cfg, dtype=torch.float64)
+    X, y, module, module_kwargs = make_workload(name, cfg, dtype=torch.float64)
     B, k = cfg['B'], cfg['k']
 
     def fit(kind, batch_size, acc_steps):
@@ -289,7 +283,7 @@ def scaling(k_models, ks, data, rounds, warmup=1):
     """
     by_k = {}
     for name, cfg in k_models.items():
-        X, y, module, module_kwargs = _workload(name, cfg)
+        X, y, module, module_kwargs = make_workload(name, cfg)
         B = cfg['B']
         times = interleave({k: _epoch('gradacc', module, module_kwargs, B, k,
                                       X, y) for k in ks}, rounds, warmup)['cpu']
@@ -309,7 +303,7 @@ def scaling(k_models, ks, data, rounds, warmup=1):
     name, B, k, ns = data['model'], data['B'], data['k'], data['ns']
     contenders = {}
     for n in ns:
-        X, y, module, module_kwargs = _workload(name, data, n=n)
+        X, y, module, module_kwargs = make_workload(name, data, n=n)
         for kind, label, acc_steps in (('gradacc', 'gradacc', k),
                                        ('plain', 'plain_B', 1)):
             contenders[label, n] = _epoch(kind, module, module_kwargs, B,
@@ -327,7 +321,7 @@ def profile(name, cfg, top=15):
     """cProfile one epoch of GradAcc at ``(B, k)``; the top functions by self
     time. cProfile inflates Python-level costs: read it for the names of the
     hot spots, and the interleaved timings for their size."""
-    X, y, module, module_kwargs = _workload(name, cfg)
+    X, y, module, module_kwargs = make_workload(name, cfg)
     net = make_net('gradacc', module, module_kwargs, cfg['B'], cfg['k'])
     torch.manual_seed(0)
     net.partial_fit(X, y)  # warm-up

@@ -30,7 +30,7 @@ from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
 from skorch_gradacc.demo import NaiveDivideByK
 
 __all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
-           'make_module', 'make_net']
+           'make_net', 'make_workload']
 
 def mlp(n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
     """A tabular MLP: two hidden ReLU layers, logits out."""
@@ -81,9 +81,12 @@ class Transformer(torch.nn.Module):
 WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
 
 
-def make_module(name, dtype=torch.float32, **module_kwargs):
-    """Return ``(module factory, module kwargs)`` for a skorch net."""
-    return WORKLOADS[name], dict(module_kwargs, dtype=dtype)
+def make_workload(name, cfg, n=None, dtype=torch.float32):
+    """Return ``(X, y, module factory, module kwargs)`` for a workload of
+    ``cfg['n']`` rows (or ``n``) and ``cfg['module_kwargs']``."""
+    kwargs = cfg.get('module_kwargs', {})
+    X, y = make_data(name, cfg['n'] if n is None else n, dtype=dtype, **kwargs)
+    return X, y, WORKLOADS[name], dict(kwargs, dtype=dtype)
 
 
 def make_data(name, n, dtype=torch.float32, seed=0, **module_kwargs):
