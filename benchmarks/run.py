@@ -11,7 +11,6 @@ provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png`` (the
 plots) into ``--out``. ``docs/benchmarks.rst`` says how long the committed run took.
 """
 
-import argparse
 import copy
 import os
 import sys
@@ -20,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import report, suite
-from benchmarks.harness import provenance, save
+from benchmarks import harness, report, suite
 
 __all__ = ['FULL', 'QUICK', 'main']
 
@@ -83,26 +81,26 @@ QUICK = {
 }
 
 
-def main(argv=None):
-    """Run the benchmarks; write the results; return an exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.run', description=(
-            'Benchmark GradAccNeuralNetClassifier against plain skorch, '
-            "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
-            'overhead, memory, exactness and scaling.'))
-    parser.add_argument('--out', default='benchmark_results', metavar='DIR',
-                        help='folder for the results (the committed run: '
-                             'benchmarks/results)')
+def parse_args(argv=None):
+    parser = harness.parser('benchmarks.run', (
+        'Benchmark GradAccNeuralNetClassifier against plain skorch, '
+        "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
+        'overhead, memory, exactness and scaling.'))
     parser.add_argument('--quick', action='store_true',
                         help='tiny sizes: a smoke run, no real numbers')
     parser.add_argument('--sections', nargs='+', choices=SECTIONS,
                         default=SECTIONS, help='run only these (default: all)')
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Run the benchmarks; write the results; return an exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     config = copy.deepcopy(QUICK if args.quick else FULL)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the steadiest on a shared machine
-    meta = provenance('benchmarks.run', argv)
+    meta = harness.provenance('benchmarks.run', argv)
     meta.update(torch_threads=1, load_average_start=meta.pop('load_average'))
     results = {'meta': meta, 'quick': args.quick, 'config': config,
                'seconds': {}}
@@ -117,7 +115,7 @@ def main(argv=None):
     meta['load_average_end'] = os.getloadavg()
     results['targets'] = report.evaluate_targets(results)
     out = Path(args.out)
-    paths = save(out, 'benchmarks', results) + [out / 'benchmarks.md',
+    paths = harness.save(out, 'benchmarks', results) + [out / 'benchmarks.md',
                                                  out / 'benchmarks.png']
     paths[1].write_text(report.markdown(results))
     report.plot(results, paths[2])

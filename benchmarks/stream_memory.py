@@ -28,7 +28,6 @@ fixed micro-batch. Writes ``stream_memory.json`` and the tables as CSV
 (``stream_memory.csv``, ``stream_memory_sweep.csv``), which the docs show.
 """
 
-import argparse
 import statistics
 import sys
 
@@ -36,7 +35,7 @@ import torch
 from skorch import NeuralNet
 from skorch.callbacks import EpochScoring
 
-from benchmarks.harness import fresh_process, provenance, save, train_peak_kib
+from benchmarks import harness
 from skorch_gradacc import GradAccNeuralNet
 
 __all__ = ['MODELS', 'build', 'make_net', 'measure', 'main']
@@ -111,13 +110,13 @@ def make_net(name, kind, batch_size, acc_steps, rows, **kwargs):
 
 
 def _train_kib(*args):
-    return train_peak_kib(*make_net(*args))
+    return harness.train_peak_kib(*make_net(*args))
 
 
 def measure(name, kind, batch_size, acc_steps=1, rows=None):
     """The peak-RSS growth of one epoch of ``fit`` in KiB, in a fresh
     process; ``kind`` is ``'plain'`` or ``'gradacc'``."""
-    return fresh_process(_train_kib, name, kind, batch_size, acc_steps,
+    return harness.fresh_process(_train_kib, name, kind, batch_size, acc_steps,
                          rows or MODELS[name][2])
 
 
@@ -159,21 +158,22 @@ def tables(results):
     return out
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog='python -m benchmarks.stream_memory',
-                                     description=__doc__.split('\n\n')[0])
-    parser.add_argument('--out', default='benchmark_results',
-                        help='folder for the results (the committed run: '
-                             'benchmarks/results)')
+def parse_args(argv=None):
+    parser = harness.parser('benchmarks.stream_memory',
+                            __doc__.split('\n\n')[0])
     parser.add_argument('--sweep', action='store_true',
                         help='also measure lm_tokens for acc_steps 1..32')
-    args = parser.parse_args(argv)
-    results = {'meta': provenance('benchmarks.stream_memory', argv),
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    results = {'meta': harness.provenance('benchmarks.stream_memory', argv),
                'repeats': 3, 'models': measure_models(list(MODELS)),
                'sweep': [dict(_three('lm_tokens', 8, k, 512), k=k)
                          for k in SWEEP] if args.sweep else []}
-    for path in save(args.out, 'stream_memory', results, **tables(results)):
+    for path in harness.save(args.out, 'stream_memory', results, **tables(results)):
         print(path.read_text() if path.suffix == '.csv' else path)
     return 0
 

@@ -1,23 +1,12 @@
 """What the benchmarks train: three workloads and the ways to train them.
 
 The workloads are an MLP, a small CNN and a small transformer encoder,
-each a module class plus a data generator (numpy arrays, as most skorch
-users pass them; nothing is downloaded: the CNN's images are scikit-learn's
-bundled 8x8 digits, or synthetic images of any size). The contenders,
-built by :func:`make_net` with the same settings (SGD with momentum,
-shuffled data, no validation split, ``CrossEntropyLoss``), differ only in
-how they accumulate:
-
-* ``plain``: skorch's ``NeuralNetClassifier``, at ``B`` or at ``B * k``;
-* ``gradacc``: ``GradAccNeuralNetClassifier(B, k)``;
-* ``faq``: skorch's FAQ recipe, :class:`FAQRecipeNet`;
-* ``accelerate``: ``skorch.hf.AccelerateMixin`` with Accelerate's own
-  accumulation;
-* ``naive``: ``loss / k`` with the last partial group stepped anyway, the
-  rule of Lightning and most loops (the demo's ``NaiveDivideByK``);
-* ``hand``: a hand-written PyTorch loop with ``loss / k``, the floor for
-  speed (:class:`HandLoop`), and ``accumgrad``, the same loop with
-  :class:`skorch_gradacc.AccumGrad` (:class:`AccumGradLoop`).
+each a module plus a data generator (numpy arrays; nothing is downloaded:
+the CNN's images are scikit-learn's 8x8 digits, or synthetic ones). The
+contenders (``suite.CONTENDERS`` says what each is) share SGD with
+momentum, shuffled data, no validation split and ``CrossEntropyLoss``, and
+differ only in how they accumulate. ``naive`` is ``loss / k`` with the last
+partial group stepped anyway, the rule of Lightning and most loops.
 """
 
 import numpy as np
@@ -159,13 +148,11 @@ class AccelerateNet(AccelerateMixin, NeuralNetClassifier):
 
 def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
              max_epochs=1, **kwargs):
-    """Build one skorch contender; see the module docstring for ``kind``.
-
-    ``batch_size`` is the micro-batch size ``B``; ``kind='plain'`` takes the
-    batch size as given (pass ``B * k`` for the large-batch net). Build an
-    ``'accelerate'`` net right before it trains: Accelerate keeps
-    ``gradient_accumulation_steps`` in a state that all ``Accelerator``
-    objects of the process share, and the last one created sets it.
+    """Build one skorch contender: ``kind`` is ``'plain'`` (at ``batch_size``:
+    pass ``B * k`` for the large batch), ``'gradacc'``, ``'faq'``, ``'naive'``
+    or ``'accelerate'``. Build an ``'accelerate'`` net right before it
+    trains: all ``Accelerator`` objects of a process share
+    ``gradient_accumulation_steps``, and the last one created sets it.
     """
     params = dict(criterion=torch.nn.CrossEntropyLoss,
                   optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=lr,
@@ -183,13 +170,10 @@ def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
         return AccelerateNet(module, accelerator=Accelerator(
             gradient_accumulation_steps=acc_steps, cpu=True), device=None,
             unwrap_after_train=False, **params)
-    classes = {'gradacc': GradAccNeuralNetClassifier, 'faq': FAQRecipeNet,
-               'naive': NaiveDivideByK}
     if kind == 'plain':
         return NeuralNetClassifier(module, **params)
-    if kind not in classes:
-        raise ValueError('unknown contender kind {!r}'.format(kind))
-    return classes[kind](module, acc_steps=acc_steps, **params)
+    return {'gradacc': GradAccNeuralNetClassifier, 'faq': FAQRecipeNet,
+            'naive': NaiveDivideByK}[kind](module, acc_steps=acc_steps, **params)
 
 
 class HandLoop:
