@@ -8,7 +8,8 @@ Usage, from the repository root::
 test, not a measurement); ``--sections`` runs only the sections named. It
 writes ``benchmarks.json`` (all numbers, every round, and the run's
 provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png`` (the
-plots) into ``--out``. ``docs/benchmarks.rst`` says how long the committed run took.
+plots) into ``--out``. ``docs/benchmarks.rst`` says how long the committed
+run took.
 """
 
 import copy
@@ -115,8 +116,8 @@ def main(argv=None):
     meta['load_average_end'] = os.getloadavg()
     results['targets'] = report.evaluate_targets(results)
     out = Path(args.out)
-    paths = harness.save(out, 'benchmarks', results) + [out / 'benchmarks.md',
-                                                 out / 'benchmarks.png']
+    paths = harness.save(out, 'benchmarks', results) + [
+        out / 'benchmarks.md', out / 'benchmarks.png']
     paths[1].write_text(report.markdown(results))
     report.plot(results, paths[2])
     print(*paths, sep='\n')
