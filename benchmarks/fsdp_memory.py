@@ -4,27 +4,25 @@ Usage, from the repository root::
 
     python -m benchmarks.fsdp_memory --out benchmark_results
 
-Each configuration runs under ``torchrun --nproc_per_node 2`` with gloo on
-the CPU, each rank with the mmap threshold fixed (``benchmarks.harness``).
-The model is an MLP of 16 ``Linear(1024, 1024)`` layers (16.8 M
-parameters, 64 MiB in float32) trained with Adam on micro-batches of 8
-rows, ``acc_steps=4``, so that parameters, gradients and optimizer state
-dominate: a single process would hold 64 MiB of parameters, 64 of
-gradients and 128 of Adam's state. Each rank warms up torch (autograd, a
-gloo all-reduce) and builds its data; then it reports, in MiB over the RSS
-just before initialization, the peak while the net initializes (the whole
-module is built on every rank before it is sharded), the RSS after it, the
-peak during one epoch of training (the figure to compare) and the RSS
-after it. The configurations: ``ddp`` (``DistributedGradAccMixin``),
-``fsdp`` (``FullyShardedGradAccMixin``, one reduce-scatter per step) and
-``fsdp_each`` (``sync_each_batch=True``). Writes ``fsdp_memory.json`` and
-``fsdp_memory.csv``.
+Each configuration runs on 2 gloo ranks (``harness.torchrun``), each with
+the mmap threshold fixed: ``ddp`` (``DistributedGradAccMixin``), ``fsdp``
+(``FullyShardedGradAccMixin``, one reduce-scatter per step) and
+``fsdp_each`` (``sync_each_batch=True``). The model, 16 ``Linear(1024,
+1024)`` layers (64 MiB in float32) trained with Adam on micro-batches of 8
+rows, ``acc_steps=4``, makes parameters, gradients and optimizer state
+dominate. After warming up torch, each rank reports in MiB over the RSS
+before initialization: the peak while the net initializes (every rank
+builds the whole module before sharding it), the RSS after it, the peak
+during one epoch (the figure to compare) and the RSS after it. Writes
+``fsdp_memory.json`` and ``fsdp_memory.csv``.
 """
 
 import argparse
 import json
 import os
 import sys
+
+from benchmarks import harness
 
 __all__ = ['CONFIGS', 'main']
 
@@ -47,14 +45,13 @@ def _rank(config):
     import torch
     import torch.distributed as dist
 
-    from benchmarks.harness import peak_growth_kib, prepare_process
     from skorch_gradacc import (
         DistributedGradAccMixin,
         FullyShardedGradAccMixin,
         GradAccNeuralNetClassifier,
     )
 
-    prepare_process('fixed')
+    harness.prepare_process('fixed')
     dist.init_process_group('gloo')
     warm = torch.nn.Linear(4, 4)
     warm(torch.randn(2, 4)).sum().backward()
@@ -70,8 +67,9 @@ def _rank(config):
         _mlp, criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam,
         lr=1e-4, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1,
         train_split=None, verbose=0, **kwargs)
-    init_peak, after_init, _ = peak_growth_kib(net.initialize)
-    train_peak, after_train, _ = peak_growth_kib(lambda: net.partial_fit(X, y))
+    init_peak, after_init, _ = harness.peak_growth_kib(net.initialize)
+    train_peak, after_train, _ = harness.peak_growth_kib(
+        lambda: net.partial_fit(X, y))
     # over the RSS before initialization
     figures = [init_peak, after_init, after_init + train_peak,
                after_init + after_train]
@@ -85,33 +83,30 @@ def _rank(config):
     os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
 
 
+def tables(results):
+    """The CSV table (rows, the header first) of the saved results."""
+    return {'fsdp_memory': [
+        ['configuration', 'rank', 'init peak (MiB)', 'after init (MiB)',
+         'train peak (MiB)', 'after training (MiB)']] + [
+        [config, rank] + [round(row[column]) for column in COLUMNS]
+        for config in CONFIGS for rank, row in enumerate(results[config])]}
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog='python -m benchmarks.fsdp_memory',
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument('--out', default='benchmark_results',
-                        help='folder for the results (default: '
-                             'benchmark_results; the committed run is in '
-                             'benchmarks/results)')
+    parser = harness.parser('benchmarks.fsdp_memory', __doc__.splitlines()[0])
     parser.add_argument('--rank', choices=CONFIGS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.rank:
         return _rank(args.rank)
-    from benchmarks.harness import provenance, save, torchrun
-
-    meta = provenance('benchmarks.fsdp_memory',
-                      sys.argv[1:] if argv is None else argv)
-    results = {config: torchrun('benchmarks.fsdp_memory', '--rank', config)
-               for config in CONFIGS}
-    table = [['configuration', 'rank', 'init peak (MiB)', 'after init (MiB)',
-              'train peak (MiB)', 'after training (MiB)']] + [
-        [config, rank] + [round(row[column]) for column in COLUMNS]
-        for config, ranks in results.items() for rank, row in enumerate(ranks)]
-    for path in save(args.out, 'fsdp_memory', dict(meta=meta, **results),
-                     fsdp_memory=table):
+    results = {'meta': harness.provenance('benchmarks.fsdp_memory', argv)}
+    results.update({config: harness.torchrun('benchmarks.fsdp_memory', '--rank',
+                                             config) for config in CONFIGS})
+    for path in harness.save(args.out, 'fsdp_memory', results, **tables(results)):
         print(path.read_text() if path.suffix == '.csv' else path)
     return 0
 

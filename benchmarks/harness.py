@@ -20,6 +20,7 @@
   JSON result by :func:`save`.
 """
 
+import argparse
 import copy
 import csv
 import ctypes
@@ -37,8 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ['fresh_process', 'interleave', 'peak_growth_kib', 'prepare_process',
-           'provenance', 'save', 'summary', 'torchrun', 'train_peak_kib']
+__all__ = ['fresh_process', 'interleave', 'parser', 'peak_growth_kib',
+           'prepare_process', 'provenance', 'save', 'summary', 'torchrun',
+           'train_peak_kib']
 
 
 def summary(values):
@@ -210,6 +212,17 @@ def provenance(module, argv):
         'platform': platform.platform(), 'python': platform.python_version(),
         'versions': versions, 'load_average': os.getloadavg(),
     }
+
+
+def parser(module, description):
+    """The command line of ``python -m module``, with the ``--out`` folder
+    that every benchmark takes."""
+    parser = argparse.ArgumentParser(prog='python -m ' + module,
+                                     description=description)
+    parser.add_argument('--out', default='benchmark_results', metavar='DIR',
+                        help='folder for the results (the committed run: '
+                             'benchmarks/results)')
+    return parser
 
 
 def save(out, name, results, **tables):

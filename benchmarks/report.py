@@ -90,8 +90,6 @@ def evaluate_targets(results):
     return targets
 
 
-# ---------------------------------------------------------------- Markdown
-
 def _range(summary, scale=1.0, digits=1):
     return '{:.{d}f} [{:.{d}f}-{:.{d}f}]'.format(
         scale * summary['median'], scale * summary['min'],
@@ -289,8 +287,6 @@ def markdown(results):
     return '\n'.join(out)
 
 
-# -------------------------------------------------------------------- plot
-
 PLOT_CONTENDERS = {'gradacc': 'GradAcc (B, k)', 'gradacc_k1': 'GradAcc (B, 1)',
                    'plain_B_again': 'plain B (A/A)', 'faq': 'FAQ recipe',
                    'accelerate': 'Accelerate', 'plain_Bk': 'plain B*k',
@@ -434,10 +430,8 @@ def plot(results, path):
         ('exactness', _plot_exactness), ('scaling', _plot_scaling_k),
         ('scaling', _plot_scaling_data)) if results.get(section)]
     panels.append((_plot_targets, results))
-    cols = 4
-    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols,
-                             figsize=(24, 5 * math.ceil(len(panels) / cols)),
-                             squeeze=False)
+    rows = math.ceil(len(panels) / 4)
+    fig, axes = plt.subplots(rows, 4, figsize=(24, 5 * rows), squeeze=False)
     for ax, (draw, data) in zip(axes.flat, panels):
         draw(ax, data)
     for ax in list(axes.flat)[len(panels):]:

@@ -5,13 +5,13 @@ Usage, from the repository root::
     python -m benchmarks.run --out benchmark_results
 
 ``--quick`` runs everything at tiny sizes in well under a minute (a smoke
-test, not a measurement); ``--sections`` runs only some sections. It writes
-``benchmarks.json`` (all numbers, every round, and the run's provenance),
-``benchmarks.md`` (the tables) and ``benchmarks.png`` (the plots) into
-``--out``. ``docs/benchmarks.rst`` says how long the committed run took.
+test, not a measurement); ``--sections`` runs only the sections named. It
+writes ``benchmarks.json`` (all numbers, every round, and the run's
+provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png`` (the
+plots) into ``--out``. ``docs/benchmarks.rst`` says how long the committed
+run took.
 """
 
-import argparse
 import copy
 import os
 import sys
@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import report, suite
-from benchmarks.harness import provenance, save
-from skorch_gradacc.demo import positive_int
+from benchmarks import harness, report, suite
 
 __all__ = ['FULL', 'QUICK', 'main']
 
@@ -85,39 +83,25 @@ QUICK = {
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog='python -m benchmarks.run', description=(
-            'Benchmark GradAccNeuralNetClassifier against plain skorch, '
-            "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
-            'overhead, memory, exactness and scaling.'))
-    parser.add_argument('--out', default='benchmark_results', metavar='DIR',
-                        help='folder for the results (default: '
-                             'benchmark_results; the committed run is in '
-                             'benchmarks/results)')
+    parser = harness.parser('benchmarks.run', (
+        'Benchmark GradAccNeuralNetClassifier against plain skorch, '
+        "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
+        'overhead, memory, exactness and scaling.'))
     parser.add_argument('--quick', action='store_true',
                         help='tiny sizes: a smoke run, no real numbers')
-    parser.add_argument('--sections', default=','.join(SECTIONS),
-                        help='comma-separated subset of {} (default: all)'
-                        .format(','.join(SECTIONS)))
-    parser.add_argument('--rounds', type=positive_int, default=None,
-                        help='timed rounds of the overhead and the scaling '
-                             '(default: 25 and 5; quick: 2 and 1)')
-    args = parser.parse_args(argv)
-    args.sections = [name.strip() for name in args.sections.split(',') if name]
-    unknown = sorted(set(args.sections) - set(SECTIONS))
-    if unknown:
-        parser.error('unknown sections: {}'.format(', '.join(unknown)))
-    return args
+    parser.add_argument('--sections', nargs='+', choices=SECTIONS,
+                        default=SECTIONS, help='run only these (default: all)')
+    return parser.parse_args(argv)
 
 
-def run(args):
-    """Run the sections that ``args`` asks for; return the results."""
+def main(argv=None):
+    """Run the benchmarks; write the results; return an exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     config = copy.deepcopy(QUICK if args.quick else FULL)
-    if args.rounds:
-        config['overhead']['rounds'] = config['scaling']['rounds'] = args.rounds
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the steadiest on a shared machine
-    meta = provenance('benchmarks.run', args.argv)
+    meta = harness.provenance('benchmarks.run', argv)
     meta.update(torch_threads=1, load_average_start=meta.pop('load_average'))
     results = {'meta': meta, 'quick': args.quick, 'config': config,
                'seconds': {}}
@@ -129,20 +113,11 @@ def run(args):
             results['seconds'][name] = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)  # leave the process as it was
-    results['meta']['load_average_end'] = os.getloadavg()
+    meta['load_average_end'] = os.getloadavg()
     results['targets'] = report.evaluate_targets(results)
-    return results
-
-
-def main(argv=None):
-    """Run the benchmarks; write the results; return an exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    args.argv = argv
-    results = run(args)
     out = Path(args.out)
-    paths = save(out, 'benchmarks', results) + [out / 'benchmarks.md',
-                                                 out / 'benchmarks.png']
+    paths = harness.save(out, 'benchmarks', results) + [
+        out / 'benchmarks.md', out / 'benchmarks.png']
     paths[1].write_text(report.markdown(results))
     report.plot(results, paths[2])
     print(*paths, sep='\n')

@@ -28,7 +28,6 @@ fixed micro-batch. Writes ``stream_memory.json`` and the tables as CSV
 (``stream_memory.csv``, ``stream_memory_sweep.csv``), which the docs show.
 """
 
-import argparse
 import statistics
 import sys
 
@@ -36,7 +35,7 @@ import torch
 from skorch import NeuralNet
 from skorch.callbacks import EpochScoring
 
-from benchmarks.harness import fresh_process, provenance, save, train_peak_kib
+from benchmarks import harness
 from skorch_gradacc import GradAccNeuralNet
 
 __all__ = ['MODELS', 'build', 'make_net', 'measure', 'main']
@@ -111,21 +110,21 @@ def make_net(name, kind, batch_size, acc_steps, rows, **kwargs):
 
 
 def _train_kib(*args):
-    return train_peak_kib(*make_net(*args))
+    return harness.train_peak_kib(*make_net(*args))
 
 
 def measure(name, kind, batch_size, acc_steps=1, rows=None):
     """The peak-RSS growth of one epoch of ``fit`` in KiB, in a fresh
     process; ``kind`` is ``'plain'`` or ``'gradacc'``."""
-    return fresh_process(_train_kib, name, kind, batch_size, acc_steps,
+    return harness.fresh_process(_train_kib, name, kind, batch_size, acc_steps,
                          rows or MODELS[name][2])
 
 
 def _three(name, B, k, rows):
-    """Plain at B, GradAcc at (B, k) and plain at B * k, in KiB."""
-    return {'plain_B': measure(name, 'plain', B, 1, rows),
-            'gradacc': measure(name, 'gradacc', B, k, rows),
-            'plain_Bk': measure(name, 'plain', B * k, 1, rows)}
+    """Plain at B, GradAcc at (B, k) and plain at B * k, in MiB."""
+    return {'plain_B': measure(name, 'plain', B, 1, rows) / 1024,
+            'gradacc': measure(name, 'gradacc', B, k, rows) / 1024,
+            'plain_Bk': measure(name, 'plain', B * k, 1, rows) / 1024}
 
 
 def measure_models(names, repeats=3):
@@ -134,48 +133,47 @@ def measure_models(names, repeats=3):
             for _ in range(repeats)]
     results = {}
     for name in names:
-        row = {kind: statistics.median(run[name][kind] for run in runs) / 1024
+        row = {kind: statistics.median(run[name][kind] for run in runs)
                for kind in runs[0][name]}
         B, k, _ = MODELS[name]
         results[name] = dict(row, B=B, k=k, ratio=row['gradacc'] / row['plain_B'])
     return results
 
 
+def tables(results):
+    """The CSV tables (rows, the header first) of the saved results."""
+    out = {'stream_memory': [
+        ['model', 'B', 'k', 'plain at B (MiB)', 'GradAcc (MiB)', 'ratio',
+         'plain at B·k (MiB)']] + [
+        [name, row['B'], row['k'], round(row['plain_B']), round(row['gradacc']),
+         '{:.2f}x'.format(row['ratio']), round(row['plain_Bk'])]
+        for name, row in results['models'].items()]}
+    if results['sweep']:
+        out['stream_memory_sweep'] = [
+            ['acc_steps', 'plain at B=8 (MiB)', 'GradAcc at (8; k) (MiB)',
+             'plain at 8·k (MiB)']] + [
+            [row['k']] + [round(row[kind]) for kind in ('plain_B', 'gradacc',
+                                                       'plain_Bk')]
+            for row in results['sweep']]
+    return out
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog='python -m benchmarks.stream_memory',
-                                     description=__doc__.split('\n\n')[0])
-    parser.add_argument('--out', default='benchmark_results',
-                        help='folder for the results (default: '
-                             'benchmark_results; the committed run is in '
-                             'benchmarks/results)')
-    parser.add_argument('--repeats', type=int, default=3)
+    parser = harness.parser('benchmarks.stream_memory',
+                            __doc__.split('\n\n')[0])
     parser.add_argument('--sweep', action='store_true',
                         help='also measure lm_tokens for acc_steps 1..32')
     return parser.parse_args(argv)
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    meta = provenance('benchmarks.stream_memory',
-                      sys.argv[1:] if argv is None else argv)
-    results = measure_models(list(MODELS), repeats=args.repeats)
-    sweep = [dict({kind: kib / 1024 for kind, kib in _three(
-        'lm_tokens', 8, k, 512).items()}, k=k) for k in SWEEP] if args.sweep else []
-    tables = {'stream_memory': [
-        ['model', 'B', 'k', 'plain at B (MiB)', 'GradAcc (MiB)', 'ratio',
-         'plain at B·k (MiB)']] + [
-        [name, row['B'], row['k'], round(row['plain_B']), round(row['gradacc']),
-         '{:.2f}x'.format(row['ratio']), round(row['plain_Bk'])]
-        for name, row in results.items()]}
-    if sweep:
-        tables['stream_memory_sweep'] = [
-            ['acc_steps', 'plain at B=8 (MiB)', 'GradAcc at (8; k) (MiB)',
-             'plain at 8·k (MiB)']] + [
-            [row['k'], round(row['plain_B']), round(row['gradacc']),
-             round(row['plain_Bk'])] for row in sweep]
-    for path in save(args.out, 'stream_memory', {
-            'meta': meta, 'repeats': args.repeats, 'models': results,
-            'sweep': sweep}, **tables):
+    results = {'meta': harness.provenance('benchmarks.stream_memory', argv),
+               'repeats': 3, 'models': measure_models(list(MODELS)),
+               'sweep': [dict(_three('lm_tokens', 8, k, 512), k=k)
+                         for k in SWEEP] if args.sweep else []}
+    for path in harness.save(args.out, 'stream_memory', results, **tables(results)):
         print(path.read_text() if path.suffix == '.csv' else path)
     return 0
 

@@ -1,6 +1,7 @@
 """The sections of ``benchmarks.run``: :func:`overhead`, :func:`memory`,
 :func:`exactness`, :func:`scaling` and :func:`profile`; each returns a
-JSON-able dict."""
+JSON-able dict. How to read each is said where it is shown, in
+``benchmarks.md`` (:mod:`benchmarks.report`)."""
 
 import cProfile
 import functools
@@ -14,8 +15,8 @@ from benchmarks.workloads import (
     AccumGradLoop,
     HandLoop,
     make_data,
-    make_module,
     make_net,
+    make_workload,
 )
 from skorch_gradacc.activation_memory import track_activation_memory
 from skorch_gradacc.demo import max_param_diff
@@ -39,12 +40,6 @@ CONTENDERS = {
 RSS_CONTENDERS = ('plain_B', 'faq', 'gradacc', 'plain_Bk')
 
 
-def _workload(name, cfg, n=None, dtype=torch.float32):
-    kwargs = cfg.get('module_kwargs', {})
-    X, y = make_data(name, cfg['n'] if n is None else n, dtype=dtype, **kwargs)
-    return (X, y) + make_module(name, dtype=dtype, **kwargs)
-
-
 def _epoch(kind, module, module_kwargs, B, k, X, y, **kwargs):
     net = make_net(kind, module, module_kwargs, B, k, **kwargs)
     return functools.partial(net.partial_fit, X, y)
@@ -60,18 +55,14 @@ def _linear_fit(x, y):
 
 
 def overhead(models, rounds, warmup=1):
-    """Time per epoch of every contender of :data:`CONTENDERS`, per workload.
-
-    The contenders train epochs in turns on the same data. Besides the
-    times: the per-round ratios to ``plain_B`` and to ``hand``, and where
-    GradAcc's extra time over the hand-written loop goes (:func:`_gap`).
-    """
+    """Time per epoch of the :data:`CONTENDERS`, interleaved, per workload;
+    the per-round ratios to ``plain_B`` and ``hand``, and :func:`_gap`."""
     return {name: _overhead_one(name, cfg, rounds, warmup)
             for name, cfg in models.items()}
 
 
 def _overhead_one(name, cfg, rounds, warmup):
-    X, y, module, module_kwargs = _workload(name, cfg)
+    X, y, module, module_kwargs = make_workload(name, cfg)
     B, k = cfg['B'], cfg['k']
     torch.manual_seed(0)
     epoch = functools.partial(_epoch, module=module,
@@ -113,13 +104,8 @@ def _overhead_one(name, cfg, rounds, warmup):
 
 
 def _gap(cpu, config):
-    """Split GradAcc's extra time over the hand-written loop into parts.
-
-    Per-round differences between contenders that differ in one thing:
-    skorch's data path (its ``Dataset`` and collation), skorch's loop without
-    callbacks (``notify``, history, ``train_step`` plumbing and GradAcc's
-    splitting), and the default callbacks.
-    """
+    """Split GradAcc's extra time over the hand-written loop into parts:
+    per-round differences between contenders that differ in one thing."""
     parts = {'data_path': ('hand_skorch_data', 'hand'),
              'skorch_loop': ('gradacc_no_callbacks', 'hand_skorch_data'),
              'callbacks': ('gradacc', 'gradacc_no_callbacks'),
@@ -136,9 +122,9 @@ def _gap(cpu, config):
 
 
 def _fitted(kind, model, module_kwargs, batch_size, acc_steps, n_rows):
-    X, y = make_data(model, n_rows, **module_kwargs)
-    net = make_net(kind, *make_module(model, **module_kwargs), batch_size,
-                   acc_steps)
+    X, y, module, module_kwargs = make_workload(
+        model, {'n': n_rows, 'module_kwargs': module_kwargs})
+    net = make_net(kind, module, module_kwargs, batch_size, acc_steps)
     torch.manual_seed(0)
     return net.initialize(), X, y
 
@@ -152,8 +138,8 @@ def activation_peak(*args):
 
 
 def rss_peak(*args):
-    """Peak RSS growth (KiB) and activation peak of one epoch, in a fresh
-    process (``harness.fresh_process``)."""
+    """Peak RSS growth (KiB) and activation peak of one epoch; run it in a
+    fresh process (``harness.fresh_process``)."""
     net, X, y = _fitted(*args)
     # the meter only wraps what autograd saves anyway: it adds no tensors
     with track_activation_memory() as meter:
@@ -162,17 +148,10 @@ def rss_peak(*args):
 
 
 def memory(models, ks, repeats, rss_models, rss_repeats, rss_malloc=('fixed',)):
-    """Activation memory as ``k`` grows; peak RSS in fresh processes.
-
-    Activation memory: for each workload and each ``k`` in ``ks`` (which
-    holds 1: plain skorch at ``B``), one epoch of ``B * k`` rows (one group)
-    with ``GradAccNeuralNetClassifier(B, k)`` and with plain skorch at
-    ``B * k``. Peak RSS: for each workload in ``rss_models`` (sized so that
-    activations matter) and each of its ``ks``, the :data:`RSS_CONTENDERS`
-    on one group of ``B * k`` rows, each in its own process, ``rss_repeats``
-    times interleaved, for each allocator setting of ``rss_malloc``. The
-    FAQ recipe accumulates over the same micro-batches as plain ``B``: it
-    shows what accumulation itself costs.
+    """Activation memory of one group of ``B * k`` rows, GradAcc at ``(B,
+    k)`` and plain at ``B * k``, for each ``k`` of ``ks`` (1 included);
+    peak RSS of the :data:`RSS_CONTENDERS` in fresh processes for each
+    workload and ``k`` of ``rss_models``, each allocator of ``rss_malloc``.
     """
     activation = {}
     for name, cfg in models.items():
@@ -205,15 +184,15 @@ def _rss(rss_models, repeats, mallocs):
                 name, kwargs, B * k if label == 'plain_Bk' else B, k, B * k,
                 malloc=malloc))
     rss = {}
-    for (malloc, name, k, label), values in runs.items():
+    for (malloc, name, k) in dict.fromkeys(job[:3] for job in jobs):
         cfg = rss_models[name]
-        entry = rss.setdefault(malloc, {}).setdefault(name, {}).setdefault(
-            str(k), {'B': cfg['B'], 'k': k, 'repeats': repeats,
-                     'module_kwargs': cfg.get('module_kwargs', {})})
-        entry[label] = {key: summary([run[key] for run in values])
-                        for key in ('train_kib', 'activation_bytes')}
-        if label != RSS_CONTENDERS[-1]:
-            continue  # the entry is complete
+        entry = rss.setdefault(malloc, {}).setdefault(name, {})[str(k)] = {
+            'B': cfg['B'], 'k': k, 'repeats': repeats,
+            'module_kwargs': cfg.get('module_kwargs', {})}
+        for label in RSS_CONTENDERS:
+            entry[label] = {key: summary([run[key] for run in runs[
+                malloc, name, k, label]]) for key in ('train_kib',
+                                                      'activation_bytes')}
         for key in ('train_kib', 'activation_bytes'):
             entry[key + '_vs_plain_B'] = {
                 other: entry[other][key]['median']
@@ -229,19 +208,15 @@ def _rss(rss_models, repeats, mallocs):
 
 
 def exactness(models, epochs):
-    """Largest parameter difference to the large-batch net after ``epochs``.
-
-    float64 throughout, the same initial weights and sample order. The data
-    have a short last micro-batch and a partial last group, where the
-    recipes differ. Controls: each recipe with ``acc_steps=1`` against plain
-    skorch at ``B``.
+    """Each recipe's largest parameter difference to the large-batch net
+    after ``epochs`` (float64), and its ``acc_steps=1`` control's to plain B.
     """
     return {name: _exactness_one(name, cfg, epochs)
             for name, cfg in models.items()}
 
 
 def _exactness_one(name, cfg, epochs):
-    X, y, module, module_kwargs = _workload(name, cfg, dtype=torch.float64)
+    X, y, module, module_kwargs = make_workload(name, cfg, dtype=torch.float64)
     B, k = cfg['B'], cfg['k']
 
     def fit(kind, batch_size, acc_steps):
@@ -260,9 +235,7 @@ def _exactness_one(name, cfg, epochs):
 
     large, plain_b = fit('plain', B * k, 1), fit('plain', B, 1)
     entry = {'config': {'n': len(X), 'B': B, 'k': k, 'epochs': epochs,
-                        'module_kwargs': cfg.get('module_kwargs', {})},
-             'max_abs_param': max(value.abs().max().item() for value
-                                  in large.module_.state_dict().values())}
+                        'module_kwargs': cfg.get('module_kwargs', {})}}
     for kind in ('gradacc', 'faq', 'accelerate', 'naive', 'hand', 'accumgrad'):
         trained = fit(kind, B, k)
         history = getattr(trained, 'history', None)  # the loops keep none
@@ -277,19 +250,12 @@ def _exactness_one(name, cfg, epochs):
 
 
 def scaling(k_models, ks, data, rounds, warmup=1):
-    """Cost as ``k`` grows at a fixed micro-batch, and as the data grow.
-
-    ``k``: per workload in ``k_models``, GradAcc at ``(B, k)`` for every
-    ``k`` in ``ks``, interleaved. An epoch has the same micro-batches
-    whatever ``k``, so the epoch time should stay flat and the cost of one
-    optimizer step (``k`` micro-batches) should grow linearly. Data: ``data``
-    names a ``model``, its ``B``, ``k`` and the sizes ``ns``; GradAcc at
-    ``(B, k)`` and plain skorch at ``B`` train on ``n`` rows for every
-    ``n``, interleaved. The epoch time should be linear in ``n``.
-    """
+    """Epoch and step time of GradAcc for each ``k`` of ``ks`` at a fixed
+    micro-batch (``k_models``); epoch time of GradAcc and plain ``B`` for
+    each size of ``data['ns']``. Each interleaved, with linear fits."""
     by_k = {}
     for name, cfg in k_models.items():
-        X, y, module, module_kwargs = _workload(name, cfg)
+        X, y, module, module_kwargs = make_workload(name, cfg)
         B = cfg['B']
         times = interleave({k: _epoch('gradacc', module, module_kwargs, B, k,
                                       X, y) for k in ks}, rounds, warmup)['cpu']
@@ -309,7 +275,7 @@ def scaling(k_models, ks, data, rounds, warmup=1):
     name, B, k, ns = data['model'], data['B'], data['k'], data['ns']
     contenders = {}
     for n in ns:
-        X, y, module, module_kwargs = _workload(name, data, n=n)
+        X, y, module, module_kwargs = make_workload(name, data, n=n)
         for kind, label, acc_steps in (('gradacc', 'gradacc', k),
                                        ('plain', 'plain_B', 1)):
             contenders[label, n] = _epoch(kind, module, module_kwargs, B,
@@ -324,10 +290,9 @@ def scaling(k_models, ks, data, rounds, warmup=1):
 
 
 def profile(name, cfg, top=15):
-    """cProfile one epoch of GradAcc at ``(B, k)``; the top functions by self
-    time. cProfile inflates Python-level costs: read it for the names of the
-    hot spots, and the interleaved timings for their size."""
-    X, y, module, module_kwargs = _workload(name, cfg)
+    """cProfile one epoch of GradAcc at ``(B, k)``: the top functions by self
+    time."""
+    X, y, module, module_kwargs = make_workload(name, cfg)
     net = make_net('gradacc', module, module_kwargs, cfg['B'], cfg['k'])
     torch.manual_seed(0)
     net.partial_fit(X, y)  # warm-up

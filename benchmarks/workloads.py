@@ -1,23 +1,12 @@
 """What the benchmarks train: three workloads and the ways to train them.
 
 The workloads are an MLP, a small CNN and a small transformer encoder,
-each a module class plus a data generator (numpy arrays, as most skorch
-users pass them; nothing is downloaded: the CNN's images are scikit-learn's
-bundled 8x8 digits, or synthetic images of any size). The contenders,
-built by :func:`make_net` with the same settings (SGD with momentum,
-shuffled data, no validation split, ``CrossEntropyLoss``), differ only in
-how they accumulate:
-
-* ``plain``: skorch's ``NeuralNetClassifier``, at ``B`` or at ``B * k``;
-* ``gradacc``: ``GradAccNeuralNetClassifier(B, k)``;
-* ``faq``: skorch's FAQ recipe, :class:`FAQRecipeNet`;
-* ``accelerate``: ``skorch.hf.AccelerateMixin`` with Accelerate's own
-  accumulation;
-* ``naive``: ``loss / k`` with the last partial group stepped anyway, the
-  rule of Lightning and most loops (the demo's ``NaiveDivideByK``);
-* ``hand``: a hand-written PyTorch loop with ``loss / k``, the floor for
-  speed (:class:`HandLoop`), and ``accumgrad``, the same loop with
-  :class:`skorch_gradacc.AccumGrad` (:class:`AccumGradLoop`).
+each a module plus a data generator (numpy arrays; nothing is downloaded:
+the CNN's images are scikit-learn's 8x8 digits, or synthetic ones). The
+contenders (``suite.CONTENDERS`` says what each is) share SGD with
+momentum, shuffled data, no validation split and ``CrossEntropyLoss``, and
+differ only in how they accumulate. ``naive`` is ``loss / k`` with the last
+partial group stepped anyway, the rule of Lightning and most loops.
 """
 
 import numpy as np
@@ -30,7 +19,7 @@ from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
 from skorch_gradacc.demo import NaiveDivideByK
 
 __all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
-           'make_module', 'make_net']
+           'make_net', 'make_workload']
 
 def mlp(n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
     """A tabular MLP: two hidden ReLU layers, logits out."""
@@ -81,9 +70,12 @@ class Transformer(torch.nn.Module):
 WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
 
 
-def make_module(name, dtype=torch.float32, **module_kwargs):
-    """Return ``(module factory, module kwargs)`` for a skorch net."""
-    return WORKLOADS[name], dict(module_kwargs, dtype=dtype)
+def make_workload(name, cfg, n=None, dtype=torch.float32):
+    """Return ``(X, y, module factory, module kwargs)`` for a workload of
+    ``cfg['n']`` rows (or ``n``) and ``cfg['module_kwargs']``."""
+    kwargs = cfg.get('module_kwargs', {})
+    X, y = make_data(name, cfg['n'] if n is None else n, dtype=dtype, **kwargs)
+    return X, y, WORKLOADS[name], dict(kwargs, dtype=dtype)
 
 
 def make_data(name, n, dtype=torch.float32, seed=0, **module_kwargs):
@@ -156,13 +148,11 @@ class AccelerateNet(AccelerateMixin, NeuralNetClassifier):
 
 def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
              max_epochs=1, **kwargs):
-    """Build one skorch contender; see the module docstring for ``kind``.
-
-    ``batch_size`` is the micro-batch size ``B``; ``kind='plain'`` takes the
-    batch size as given (pass ``B * k`` for the large-batch net). Build an
-    ``'accelerate'`` net right before it trains: Accelerate keeps
-    ``gradient_accumulation_steps`` in a state that all ``Accelerator``
-    objects of the process share, and the last one created sets it.
+    """Build one skorch contender: ``kind`` is ``'plain'`` (at ``batch_size``:
+    pass ``B * k`` for the large batch), ``'gradacc'``, ``'faq'``, ``'naive'``
+    or ``'accelerate'``. Build an ``'accelerate'`` net right before it
+    trains: all ``Accelerator`` objects of a process share
+    ``gradient_accumulation_steps``, and the last one created sets it.
     """
     params = dict(criterion=torch.nn.CrossEntropyLoss,
                   optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=lr,
@@ -180,13 +170,10 @@ def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
         return AccelerateNet(module, accelerator=Accelerator(
             gradient_accumulation_steps=acc_steps, cpu=True), device=None,
             unwrap_after_train=False, **params)
-    classes = {'gradacc': GradAccNeuralNetClassifier, 'faq': FAQRecipeNet,
-               'naive': NaiveDivideByK}
     if kind == 'plain':
         return NeuralNetClassifier(module, **params)
-    if kind not in classes:
-        raise ValueError('unknown contender kind {!r}'.format(kind))
-    return classes[kind](module, acc_steps=acc_steps, **params)
+    return {'gradacc': GradAccNeuralNetClassifier, 'faq': FAQRecipeNet,
+            'naive': NaiveDivideByK}[kind](module, acc_steps=acc_steps, **params)
 
 
 class HandLoop:

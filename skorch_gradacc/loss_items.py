@@ -33,6 +33,7 @@ import torch
 from skorch.dataset import unpack_data
 
 from skorch_gradacc.batching import batch_len, split_batch
+from skorch_gradacc.item_counts import ItemCounts
 
 __all__ = ['LossItemsWarning', 'check_loss_is_mean', 'count_items']
 
@@ -86,7 +87,8 @@ def count_items(criteria, batch):
     --------
     >>> import torch
     >>> y = torch.tensor([[1, 2, -100], [0, -100, -100]])
-    >>> count_items([torch.nn.CrossEntropyLoss()], (None, y))
+    >>> X = torch.zeros(2, 3)  # two rows of three token ids
+    >>> count_items([torch.nn.CrossEntropyLoss()], (X, y))
     tensor(3)
 
     """
@@ -143,6 +145,7 @@ def check_loss_is_mean(net, batch, **fit_params):
     if rows < 2:
         return False
     parts = [batch] + split_batch(batch, (rows + 1) // 2)
+    valid = ItemCounts(name='count_loss_items(batch)').check  # as training
     with _unchanged(net), torch.no_grad():
         losses, counts = [], []
         for part in parts:
@@ -150,7 +153,7 @@ def check_loss_is_mean(net, batch, **fit_params):
             y_pred = net.infer(Xi, **fit_params)
             loss = net.get_loss(y_pred, yi, X=Xi, training=True)
             losses.append(float(loss))
-            count = net.count_loss_items(part)
+            count = valid(net.count_loss_items(part))
             counts.append(None if count is None else float(count))
     whole, first, second = losses
     if counts[0] is None:

@@ -233,6 +233,21 @@ def quoted_results():
     ]
 
 
+def test_committed_tables_are_what_the_code_renders():
+    # the Markdown and the CSV tables render from the committed JSON alone,
+    # so a change to the rendering shows here, not at the next 30-minute run
+    from benchmarks import fsdp_memory, report, stream_memory
+    run = json.loads((RESULTS / 'benchmarks.json').read_text())
+    assert report.evaluate_targets(run) == run['targets']
+    assert report.markdown(run) == (RESULTS / 'benchmarks.md').read_text()
+    for module, name in ((stream_memory, 'stream_memory'),
+                         (fsdp_memory, 'fsdp_memory')):
+        results = json.loads((RESULTS / (name + '.json')).read_text())
+        for key, rows in module.tables(results).items():
+            lines = (RESULTS / (key + '.csv')).read_text().splitlines()
+            assert lines == [','.join(map(str, row)) for row in rows], key
+
+
 def test_docs_quote_the_committed_results():
     page = ' '.join(PAGE.read_text().split())
     missing = [text for text in quoted_results() if text not in page]

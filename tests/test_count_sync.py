@@ -310,8 +310,7 @@ class TestTheCounter:
 def check_no_sync_on_cuda():
     """Run AccumGrad groups and a GradAcc net's steps, with tensor counts on
     CUDA, under ``torch.cuda.set_sync_debug_mode('error')``; check both
-    against the large batch. Any synchronizing call raises. For the GPU
-    check script."""
+    against the large batch. Any synchronizing call raises."""
     X, y = token_data('cuda')
     for make_opt in OPTIMIZERS.values():
         large = large_batch_model(X, y, make_opt, 'cuda')
@@ -321,6 +320,7 @@ def check_no_sync_on_cuda():
     assert max_diff(net.module_, large.module_) <= PARAM_ATOL
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_no_sync_on_cuda():
     check_no_sync_on_cuda()

@@ -34,7 +34,8 @@ class AutocastBF16Net(NeuralNetClassifier):
     """The ground truth: plain skorch with its forward under bf16 autocast."""
 
     def train_step_single(self, batch, **fit_params):
-        with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.autocast(torch.device(self.device).type,
+                            dtype=torch.bfloat16):
             return super().train_step_single(batch, **fit_params)
 
 
@@ -133,16 +134,20 @@ def data():
 
 COMMON = dict(max_epochs=2, train_split=None, verbose=0, lr=0.1,
               iterator_train__shuffle=True)
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                             reason='needs CUDA')]
 
 
-def test_bf16_matches_large_batch_net_under_autocast():
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=CUDA)])
+def test_bf16_matches_large_batch_net_under_autocast(device):
     X, y = data()
+    kwargs = dict(COMMON, device=device)
     acc_net = fit_seeded(GradAccNeuralNetClassifier(
         Float32MLP, batch_size=8, acc_steps=4, mixed_precision='bf16',
-        **COMMON), X, y)
-    plain = fit_seeded(AutocastBF16Net(Float32MLP, batch_size=32, **COMMON),
+        **kwargs), X, y)
+    plain = fit_seeded(AutocastBF16Net(Float32MLP, batch_size=32, **kwargs),
                        X, y)
-    fp32 = fit_seeded(NeuralNetClassifier(Float32MLP, batch_size=32, **COMMON),
+    fp32 = fit_seeded(NeuralNetClassifier(Float32MLP, batch_size=32, **kwargs),
                       X, y)
 
     assert acc_net.module_.train_dtype_ == torch.bfloat16
@@ -293,6 +298,7 @@ def test_train_step_single_override_runs_in_either_order(
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_fp16_on_cuda_matches_hand_written_amp():
     X, y = data()

@@ -1,6 +1,6 @@
 """One rank of a data-parallel fit; started by tests/test_distributed.py
-with ``torchrun --nproc_per_node 2`` (or by benchmarks/gpu_checks.py with
-``--nproc_per_node 1`` and the backend ``nccl``).
+with ``torchrun --nproc_per_node 2`` (on GPUs: one rank per GPU and the
+backend ``nccl``).
 
 Usage: ddp_worker.py OUT_DIR SCENARIO [BACKEND], where SCENARIO is one of
 
