@@ -1,27 +1,27 @@
 """Wall time of a validation epoch on W=2 ranks against W=1 (gloo, CPU).
 
-    python -m benchmarks.sharded_validation
+    python -m benchmarks.sharded_validation --out benchmark_results
 
-starts this file under ``torchrun`` with 1 and then 2 ranks, one torch
-thread each; every rank times a validation epoch (the median of 5) of a
-``DistributedGradAccMixin`` net on 4096 rows, whose batches the ranks
-share (:mod:`skorch_gradacc.sharded_evaluation`). It prints the times and
-their ratio, and rank 0's CPU time (the work it does, whatever the load),
-and writes them to benchmarks/results/sharded_validation.json. Expected on
-two free cores: about 0.5x, plus the gathering of the outputs.
+runs this module under ``torchrun`` (:func:`benchmarks.harness.torchrun`)
+with 1 and then 2 ranks, one torch thread each; every rank times a
+validation epoch (the median of 5) of a ``DistributedGradAccMixin`` net on
+4096 rows, whose batches the ranks share
+(:mod:`skorch_gradacc.sharded_evaluation`). It prints the times, their
+ratio and rank 0's CPU time (the work it does, whatever the load), and
+saves them as ``sharded_validation.json``. Expected on two free cores:
+about 0.5x, plus the gathering of the outputs.
 """
 
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / 'results' / 'sharded_validation.json'
+from benchmarks import harness
+
 N_ROWS, N_FEATURES, BATCH_SIZE, REPEATS = 4096, 512, 64, 5
 
 
@@ -56,35 +56,30 @@ def time_validation():
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     if dist.get_rank() == 0:
-        print('SECONDS', statistics.median(times),
-              statistics.median(cpu_times), flush=True)
+        print(json.dumps([statistics.median(times),
+                          statistics.median(cpu_times)]), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip Python's teardown, where gloo can abort
 
 
-def run(nproc):
-    env = dict(os.environ, OMP_NUM_THREADS='1',
-               PYTHONPATH=str(Path(__file__).parent.parent))
-    out = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nproc_per_node', str(nproc), __file__, 'worker'],
-        capture_output=True, text=True, env=env, check=True).stdout
-    return [float(value) for value in out.split('SECONDS')[1].split()[:2]]
-
-
-def main():
-    (one, cpu_one), (two, cpu_two) = run(1), run(2)
+def main(argv=None):
+    args = harness.parser('benchmarks.sharded_validation',
+                          __doc__.splitlines()[0]).parse_args(argv)
+    (one, cpu_one), (two, cpu_two) = (
+        harness.torchrun('benchmarks.sharded_validation', 'worker', nproc=n)
+        for n in (1, 2))
     result = {'rows': N_ROWS, 'batch_size': BATCH_SIZE, 'w1_seconds': one,
               'w2_seconds': two, 'ratio': two / one,
               'w1_rank0_cpu_seconds': cpu_one, 'w2_rank0_cpu_seconds': cpu_two,
               'cpu_ratio': cpu_two / cpu_one,
-              'load_average': os.getloadavg()[0]}
+              'provenance': harness.provenance(
+                  'benchmarks.sharded_validation', sys.argv[1:])}
     print('validation epoch: W=1 {:.3f} s, W=2 {:.3f} s, ratio {:.2f}x; '
           "rank 0's CPU time ratio {:.2f}x; load average {:.1f}".format(
               one, two, two / one, cpu_two / cpu_one, os.getloadavg()[0]))
-    RESULTS.write_text(json.dumps(result, indent=2) + '\n')
+    harness.save(args.out, 'sharded_validation', result)
 
 
 if __name__ == '__main__':

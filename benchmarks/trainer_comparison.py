@@ -5,8 +5,9 @@ different lengths in the same order (no shuffling), each micro-batch padded
 to its own longest sequence, labels -100 on padding, SGD at a constant lr,
 no clipping. Each of four runs (skorch or Trainer, accumulating ``k``
 micro-batches of ``B`` or one batch of ``B * k``) trains in a fresh process
-with ``MALLOC_MMAP_THRESHOLD_=65536``, and reports its time per epoch and
-its peak RSS above the baseline after building the model and data.
+(:func:`benchmarks.harness.fresh_process`, 64 KiB mmap threshold), and
+reports its time per epoch and its peak RSS above the RSS after building
+the model and data.
 
 Trainer is exact through ``compute_loss_func`` and its
 ``num_items_in_batch``, the sum of each micro-batch's labeled tokens over
@@ -15,11 +16,6 @@ the accumulated ones; the GradAcc net through its default count.
     python -m benchmarks.trainer_comparison --out benchmark_results
 """
 
-import argparse
-import json
-import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks import harness
 
 B, K, EPOCHS, LR, N_SEQ, IGNORE = 4, 8, 2, 0.1, 256, -100
 RUNS = ['skorch_acc', 'skorch_large', 'trainer_acc', 'trainer_large']
@@ -121,41 +119,31 @@ def train_trainer(model, sequences, batch_size, acc_steps):
     return model, None
 
 
-def run(name, out):
-    """One run, in this process: save its parameters, print its numbers."""
+def run(name):
+    """One run, in this (fresh) process: its numbers and parameters."""
     import transformers.trainer  # noqa: F401, imports before the baseline
 
-    import skorch_gradacc  # noqa: F401
-    torch.set_num_threads(1)
     model, sequences = make_model(), make_sequences()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     batch_size, acc_steps = (B, K) if name.endswith('_acc') else (B * K, 1)
     train = train_skorch if name.startswith('skorch') else train_trainer
     start = time.perf_counter()
-    model, check = train(model, sequences, batch_size, acc_steps)
+    peak, _, (model, check) = harness.peak_growth_kib(
+        lambda: train(model, sequences, batch_size, acc_steps))
     seconds = (time.perf_counter() - start) / EPOCHS
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-    torch.save(model.state_dict(), out)
-    print(json.dumps({'s_per_epoch': seconds, 'peak_rss_mib': peak / 1024,
-                      'check_s': check}))
+    return {'s_per_epoch': seconds, 'peak_rss_mib': peak / 1024,
+            'check_s': check}, model.state_dict()
 
 
 def distance(a, b):
     return max((a[key] - b[key]).abs().max().item() for key in a)
 
 
-def main(out_dir):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536', OMP_NUM_THREADS='1')
-    with tempfile.TemporaryDirectory() as tmp:
-        numbers, params = {}, {}
-        for name in RUNS:
-            path = Path(tmp) / (name + '.pt')
-            proc = subprocess.run(
-                [sys.executable, '-m', 'benchmarks.trainer_comparison',
-                 '--run', name, str(path)], env=env, capture_output=True,
-                text=True, check=True)
-            numbers[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            params[name] = torch.load(path)
+def main(argv=None):
+    args = harness.parser('benchmarks.trainer_comparison',
+                          __doc__.splitlines()[0]).parse_args(argv)
+    numbers, params = {}, {}
+    for name in RUNS:
+        numbers[name], params[name] = harness.fresh_process(run, name)
     rows = [
         '| run | max abs param distance | to | s / epoch | peak RSS (MiB) '
         '| loss check (s) |', '|---|---|---|---|---|---|']
@@ -177,17 +165,12 @@ def main(out_dir):
         '', 'The loss check runs once per fit: {:.1%} of one epoch here.'
         .format(numbers['skorch_acc']['check_s']
                 / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / 'trainer_comparison.md').write_text(text)
+    harness.save(args.out, 'trainer_comparison', dict(
+        numbers, provenance=harness.provenance(
+            'benchmarks.trainer_comparison', sys.argv[1:])))
+    (Path(args.out) / 'trainer_comparison.md').write_text(text)
     print(text)
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--out', default='benchmark_results')
-    parser.add_argument('--run', nargs=2, metavar=('NAME', 'PATH'))
-    args = parser.parse_args()
-    if args.run:
-        run(*args.run)
-    else:
-        main(args.out)
+    main()

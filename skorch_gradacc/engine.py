@@ -35,7 +35,8 @@ from skorch_gradacc.grouping import MicroBatchGroups
 from skorch_gradacc.item_counts import scale_gradients
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
-__all__ = ['DDPEngine', 'DataParallelEngine', 'Engine', 'engine_for']
+__all__ = ['DDPEngine', 'DataParallelEngine', 'Engine', 'engine_for',
+           'learnable_gradients']
 
 
 class Engine:
@@ -117,7 +118,7 @@ class Engine:
         """
         factor = counts.factor()
         if isinstance(factor, torch.Tensor) or factor != 1:
-            scale_gradients(_grads(net), factor)
+            scale_gradients(learnable_gradients(net), factor)
         return counts.loss()
 
     def all_ranks(self, ok):
@@ -208,7 +209,8 @@ class DataParallelEngine(Engine):
             return loss
         # the summed gradient over all ranks is in units of 1; no host sync;
         # with no item on any rank, the gradient is left as it is (zero)
-        scale_gradients(_grads(net), torch.where(total > 0, 1 / total, 1.0))
+        scale_gradients(learnable_gradients(net),
+                        torch.where(total > 0, 1 / total, 1.0))
         return loss / total
 
     def all_ranks(self, ok):
@@ -277,7 +279,8 @@ def engine_for(module):
     return Engine(module)
 
 
-def _grads(net):
+def learnable_gradients(net):
+    """Return the gradients of ``net``'s learnable parameters that exist."""
     return [param.grad for _, param in net.get_all_learnable_params()
             if param.grad is not None]
 

@@ -43,7 +43,12 @@ from skorch_gradacc.batching import (
     is_positive_int,
     split_batch,
 )
-from skorch_gradacc.engine import DataParallelEngine, Engine, engine_for
+from skorch_gradacc.engine import (
+    DataParallelEngine,
+    Engine,
+    engine_for,
+    learnable_gradients,
+)
 from skorch_gradacc.grouping import MicroBatchGroup
 from skorch_gradacc.item_counts import ItemCounts, scale_gradients
 from skorch_gradacc.loss_items import check_loss_is_mean, count_items
@@ -762,7 +767,7 @@ class GradAccMixin(StepDecisionMixin):
                    and not isinstance(weight, torch.Tensor)
                    and weight not in (None, 0, 1))
         if rescale:
-            scale_gradients(_grads_of(self), 1 / weight)
+            scale_gradients(learnable_gradients(self), 1 / weight)
             weight = 1.0
         get_loss, calls = self.get_loss, []
 
@@ -799,7 +804,7 @@ class GradAccMixin(StepDecisionMixin):
             else:
                 self.get_loss = own
         if rescale:
-            scale_gradients(_grads_of(self), counts.weight)
+            scale_gradients(learnable_gradients(self), counts.weight)
         if not calls and counts is not _NO_ITEMS:
             counts.without_get_loss = True
         weighted = isinstance(weight, torch.Tensor) or weight not in (None, 1)
@@ -983,11 +988,6 @@ def _as_skorch_step(step):
             and not loss.requires_grad):
         step = dict(step, loss=loss.detach().requires_grad_())
     return step
-
-
-def _grads_of(net):
-    return [param.grad for _, param in net.get_all_learnable_params()
-            if param.grad is not None]
 
 
 # the counts of a zero-row pass that stands in for a failed one

@@ -21,6 +21,8 @@ import contextlib
 
 import torch
 
+from skorch_gradacc.engine import learnable_gradients
+
 __all__ = ['AUTOCAST_DTYPES', 'StepDecisionMixin']
 
 AUTOCAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -126,8 +128,7 @@ class StepDecisionMixin:
             scaler.unscale_(getattr(self, name + '_'))
 
     def _gradients_are_finite(self):
-        grads = [param.grad for _, param in self.get_all_learnable_params()
-                 if param.grad is not None]
+        grads = learnable_gradients(self)
         finite = not grads or bool(
             torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
         # every rank decides alike, also with gradient shards (FSDP2)
