@@ -126,7 +126,8 @@ def check_loss_is_mean(net, batch, **fit_params):
     halves, weighted by ``net.count_loss_items`` (or summed, if that is
     None), in eval mode and without gradient. Nothing of the net's state
     changes: the modules' training modes and buffers and the random number
-    generators' states are restored.
+    generators' states are restored, and the warnings of these passes (say,
+    a criterion's broadcasting warning) are not shown again.
 
     Returns
     -------
@@ -146,7 +147,9 @@ def check_loss_is_mean(net, batch, **fit_params):
         return False
     parts = [batch] + split_batch(batch, (rows + 1) // 2)
     valid = ItemCounts(name='count_loss_items(batch)').check  # as training
-    with _unchanged(net), torch.no_grad():
+    # the user sees the warnings of the training passes, not these
+    with _unchanged(net), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
         losses, counts = [], []
         for part in parts:
             Xi, yi = unpack_data(part)
