@@ -60,14 +60,17 @@ def check_statuses(net):
 def test_grad_acc_passes_what_plain_passes(plain, grad_acc):
     expected = check_statuses(plain)
     actual = check_statuses(grad_acc)
-    passed_by_plain = {name for name, ok in expected.items() if ok}
-    assert len(passed_by_plain) > 15  # the set-up is a sensible one
-    assert {name for name in passed_by_plain if not actual.get(name)} == set()
-    # and no check passes only by chance on one side, except those that
-    # compare float32 predictions of rows in other batches: which rows share
-    # a matrix product changes its rounding, so they pass or fail by a few
-    # ulps, on either side, from run to run
+    # checks that compare float32 predictions of rows in other batches pass
+    # or fail by a few ulps, on either side: which rows share a matrix
+    # product changes its rounding, and so does the thread count that the
+    # tests run before leave (seen under pytest-xdist); they are compared
+    # neither way
     by_rounding = {'check_methods_sample_order_invariance',
                    'check_methods_subset_invariance'}
+    passed_by_plain = {name for name, ok in expected.items() if ok}
+    assert len(passed_by_plain) > 15  # the set-up is a sensible one
+    assert {name for name in passed_by_plain - by_rounding
+            if not actual.get(name)} == set()
+    # and no check passes only by chance on one side
     assert ({name for name, ok in actual.items() if ok} - by_rounding
             == passed_by_plain - by_rounding)
