@@ -17,12 +17,10 @@ during one epoch (the figure to compare) and the RSS after it. Writes
 ``fsdp_memory.json`` and ``fsdp_memory.csv``.
 """
 
-import argparse
-import json
-import os
 import sys
 
 from benchmarks import harness
+from benchmarks.workloads import mlp
 
 __all__ = ['CONFIGS', 'main']
 
@@ -31,19 +29,10 @@ WIDTH, DEPTH, ROWS, BATCH_SIZE, ACC_STEPS = 1024, 16, 256, 8, 4
 COLUMNS = ('init_peak', 'after_init', 'train_peak', 'after_train')
 
 
-def _mlp():
+def rank(config):
+    """One rank of a configuration (under :func:`harness.torchrun`): its
+    figures in MiB."""
     import torch
-
-    layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
-
-
-def _rank(config):
-    """One rank of a configuration; rank 0 prints every rank's figures."""
-    import torch
-    import torch.distributed as dist
 
     from skorch_gradacc import (
         DistributedGradAccMixin,
@@ -51,11 +40,9 @@ def _rank(config):
         GradAccNeuralNetClassifier,
     )
 
-    harness.prepare_process('fixed')
-    dist.init_process_group('gloo')
     warm = torch.nn.Linear(4, 4)
     warm(torch.randn(2, 4)).sum().backward()
-    dist.all_reduce(torch.ones(1))
+    torch.distributed.all_reduce(torch.ones(1))
     del warm
     generator = torch.Generator().manual_seed(0)
     X = torch.randn(ROWS, WIDTH, generator=generator)
@@ -64,7 +51,8 @@ def _rank(config):
     kwargs = {'sync_each_batch': True} if config == 'fsdp_each' else {}
     torch.manual_seed(0)
     net = type('Net', (mixin, GradAccNeuralNetClassifier), {})(
-        _mlp, criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam,
+        mlp, module__n_in=WIDTH, module__n_hidden=WIDTH, module__n_layers=DEPTH,
+        criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam,
         lr=1e-4, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1,
         train_split=None, verbose=0, **kwargs)
     init_peak, after_init, _ = harness.peak_growth_kib(net.initialize)
@@ -73,14 +61,7 @@ def _rank(config):
     # over the RSS before initialization
     figures = [init_peak, after_init, after_init + train_peak,
                after_init + after_train]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {column: kib / 1024 for column, kib
-                                   in zip(COLUMNS, figures)})
-    if dist.get_rank() == 0:
-        print(json.dumps(every), flush=True)
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
-    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+    return {column: kib / 1024 for column, kib in zip(COLUMNS, figures)}
 
 
 def tables(results):
@@ -93,21 +74,17 @@ def tables(results):
 
 
 def parse_args(argv=None):
-    parser = harness.parser('benchmarks.fsdp_memory', __doc__.splitlines()[0])
-    parser.add_argument('--rank', choices=CONFIGS, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    return harness.parser('benchmarks.fsdp_memory',
+                          __doc__.splitlines()[0]).parse_args(argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.rank:
-        return _rank(args.rank)
     results = {'meta': harness.provenance('benchmarks.fsdp_memory', argv)}
-    results.update({config: harness.torchrun('benchmarks.fsdp_memory', '--rank',
-                                             config) for config in CONFIGS})
-    for path in harness.save(args.out, 'fsdp_memory', results, **tables(results)):
-        print(path.read_text() if path.suffix == '.csv' else path)
+    results.update({config: harness.torchrun(rank, config)
+                    for config in CONFIGS})
+    harness.save(args.out, 'fsdp_memory', results, **tables(results))
     return 0
 
 

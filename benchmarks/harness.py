@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ['fresh_process', 'interleave', 'parser', 'peak_growth_kib',
+__all__ = ['fresh_process', 'interleave', 'markdown_table', 'parser', 'peak_growth_kib',
            'prepare_process', 'provenance', 'save', 'summary', 'torchrun',
            'train_peak_kib']
 
@@ -48,6 +48,14 @@ def summary(values):
     values = [float(value) for value in values]
     return {'median': statistics.median(values), 'min': min(values),
             'max': max(values), 'n': len(values), 'values': values}
+
+
+def markdown_table(header, rows):
+    """A Markdown table of ``rows`` (lists of cells), then an empty line."""
+    return '\n'.join(['| ' + ' | '.join(header) + ' |',
+                      '|' + '|'.join('---' for _ in header) + '|']
+                     + ['| ' + ' | '.join(str(cell) for cell in row) + ' |'
+                        for row in rows] + [''])
 
 
 def interleave(contenders, rounds, warmup=1):
@@ -160,19 +168,43 @@ def fresh_process(function, *args, malloc='fixed', timeout=600):
         process.join()
 
 
-def torchrun(module, *args, nproc=2, timeout=600):
-    """Run ``python -m module *args`` on ``nproc`` gloo ranks; return the
-    JSON that rank 0 prints last."""
+def torchrun(function, *args, nproc=2, malloc='fixed', timeout=600):
+    """Return each rank's ``function(*args)`` (a list), called on ``nproc``
+    gloo ranks started by ``torchrun``, each prepared as in
+    :func:`fresh_process`. ``function`` is a module-level function; its
+    arguments and result are JSON-able."""
+    module = function.__module__
+    if module == '__main__':  # run as ``python -m module``
+        module = sys.modules['__main__'].__spec__.name
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
     proc = subprocess.run(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nproc_per_node', str(nproc), '-m', module, *args],
+         '--nproc_per_node', str(nproc), '-m', 'benchmarks.harness', module,
+         function.__name__, malloc, json.dumps(args)],
         capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     if proc.returncode:
-        raise RuntimeError('{} {} failed: {}'.format(module, args,
-                                                     proc.stderr[-3000:]))
+        raise RuntimeError('{}{} failed: {}'.format(
+            function.__name__, args, proc.stderr[-3000:]))
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _rank(module, name, malloc, args):
+    """One rank of :func:`torchrun`; rank 0 prints every rank's result."""
+    import importlib
+
+    import torch.distributed as dist
+
+    prepare_process(malloc)
+    dist.init_process_group('gloo')
+    result = getattr(importlib.import_module(module), name)(*json.loads(args))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, result)
+    if dist.get_rank() == 0:
+        print(json.dumps(every), flush=True)
+    dist.barrier()  # no rank tears down while another still talks
+    dist.destroy_process_group()
+    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
 
 
 def _git(*args):
@@ -225,15 +257,24 @@ def parser(module, description):
     return parser
 
 
-def save(out, name, results, **tables):
-    """Write ``name.json`` (``results``) and each table (rows, the header
-    first) as ``KEY.csv`` into the folder ``out``; return the paths."""
+def save(out, name, results, markdown=None, **tables):
+    """Write ``name.json`` (``results``), ``name.md`` (``markdown``, if
+    given) and each table (rows, the header first) as ``KEY.csv`` into the
+    folder ``out``; print and return the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / (name + '.json')]
     paths[0].write_text(json.dumps(results, indent=1) + '\n')
+    if markdown is not None:
+        paths.append(out / (name + '.md'))
+        paths[-1].write_text(markdown)
     for key, rows in tables.items():
         paths.append(out / (key + '.csv'))
         with open(paths[-1], 'w', newline='') as file:
             csv.writer(file, lineterminator='\n').writerows(rows)
+    print(*paths, sep='\n')
     return paths
+
+
+if __name__ == '__main__':
+    _rank(*sys.argv[1:])

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from benchmarks.harness import markdown_table
 from benchmarks.suite import CONTENDERS, RSS_CONTENDERS
 
 __all__ = ['evaluate_targets', 'markdown', 'plot']
@@ -96,13 +97,6 @@ def _range(summary, scale=1.0, digits=1):
         scale * summary['max'], d=digits)
 
 
-def _table(header, rows):
-    return '\n'.join(['| ' + ' | '.join(header) + ' |',
-                      '|' + '|'.join('---' for _ in header) + '|']
-                     + ['| ' + ' | '.join(str(cell) for cell in row) + ' |'
-                        for row in rows] + [''])
-
-
 def _sci(value):
     return '0' if value == 0 else '{:.1e}'.format(value)
 
@@ -126,7 +120,7 @@ def _md_overhead(overhead):
         out += ['### {}: n={n}, B={B}, k={k}, {} rounds'.format(
             LABELS[model], entry['rounds'], **entry['config']), '']
         ratios = entry['ratios']
-        out.append(_table(
+        out.append(markdown_table(
             ['contender', 'what', 'CPU ms/epoch', 'x plain B (CPU)',
              'x plain B (wall)', 'x hand loop (CPU)'],
             [['`{}`'.format(name), what, _range(entry['cpu_s'][name], 1e3),
@@ -135,7 +129,7 @@ def _md_overhead(overhead):
               _range(ratios['cpu']['hand'][name], digits=3)]
              for name, what in CONTENDERS.items()]))
         out += ["Where GradAcc's extra time over the hand-written loop goes "
-                '(per-round CPU differences):', '', _table(
+                '(per-round CPU differences):', '', markdown_table(
                     ['part', 'ms/epoch', 'us per micro-batch', '% of hand loop'],
                     [[GAP_PARTS[part], _range(values['seconds'], 1e3),
                       '{:.0f}'.format(values['us_per_micro_batch']),
@@ -148,7 +142,7 @@ def _md_profile(profile):
     return ['## Profile: one GradAcc epoch ({}, B={B}, k={k}, n={n})'.format(
         LABELS[profile['model']], **profile), '',
         'cProfile, top functions by self time; cProfile inflates '
-        'Python-level costs, so read it for names, not sizes.', '', _table(
+        'Python-level costs, so read it for names, not sizes.', '', markdown_table(
             ['function', 'calls', 'self ms', 'cumulative ms', 'self %'],
             [['`{}`'.format(row['function']), row['calls'],
               '{:.1f}'.format(1e3 * row['self_s']),
@@ -161,7 +155,7 @@ def _md_memory(memory):
     out = ['## 2. Memory', '', '### Activation memory as k grows', '',
            'Peak bytes of the tensors saved for backward '
            '(`track_activation_memory`) while training one group of B*k '
-           'rows; deterministic. Plain B is the k=1 column.', '', _table(
+           'rows; deterministic. Plain B is the k=1 column.', '', markdown_table(
                ['model', 'B', 'k', 'GradAcc KiB', 'x plain B', 'plain B*k KiB',
                 'x plain B'],
                [[LABELS[model], entry['B'], k,
@@ -180,7 +174,7 @@ def _md_memory(memory):
                 'micro-batches as plain B. The last two columns (MiB) compare '
                 "GradAcc's excess over plain B with the size of the inputs "
                 "of one group of B*k rows, which GradAcc's batches hold.", '',
-                _table(['model', 'B', 'k', 'plain B', 'FAQ recipe', 'GradAcc',
+                markdown_table(['model', 'B', 'k', 'plain B', 'FAQ recipe', 'GradAcc',
                         'plain B*k', 'GradAcc activations x plain B',
                         'GradAcc - plain B', "a group's inputs"],
                        [[LABELS[model], entry['B'], k] + [
@@ -205,7 +199,7 @@ def _md_exactness(exactness):
             'The data leave a short last micro-batch and a partial last group. '
             'k=1 controls: each recipe at acc_steps=1 against plain skorch at '
             "B. Loss ratio: the final epoch's reported train_loss over the "
-            "large-batch net's (-: the loops keep no history).", '', _table(
+            "large-batch net's (-: the loops keep no history).", '', markdown_table(
                 ['model', 'setting', 'recipe', 'max abs param diff',
                  'loss ratio', 'k=1 control'],
                 [[LABELS[model], 'n={n}, B={B}, k={k}, {epochs} epochs'.format(
@@ -226,13 +220,13 @@ def _md_scaling(scaling):
         'Every k sees the same micro-batches per epoch, so the epoch should '
         'cost the same and one optimizer step (k micro-batches) k times '
         'more. CPU ms, median [min-max].', '',
-        _table(['model', 'B', 'k', 'GradAcc epoch', 'GradAcc per step'],
+        markdown_table(['model', 'B', 'k', 'GradAcc epoch', 'GradAcc per step'],
                [[LABELS[model], entry['config']['B'], k,
                  _range(entry['gradacc']['epoch_cpu_s'][i], 1e3),
                  '{:.2f}'.format(1e3 * entry['gradacc']['step_cpu_s'][i])]
                 for model, entry in by_k.items()
                 for i, k in enumerate(entry['ks'])]),
-        _table(['model', 'step cost slope (ms per micro-batch)',
+        markdown_table(['model', 'step cost slope (ms per micro-batch)',
                 'intercept ms', 'R^2', 'epoch time max/min over k'],
                [[LABELS[model], '{:.3f}'.format(1e3 * e['step_fit']['slope']),
                  '{:.3f}'.format(1e3 * e['step_fit']['intercept']),
@@ -241,7 +235,7 @@ def _md_scaling(scaling):
                 for model, e in ((m, v['gradacc']) for m, v in by_k.items())]),
         '### As the data grow ({}, B={}, k={})'.format(
             LABELS[data['model']], data['B'], data['k']), '',
-        _table(['n', 'GradAcc epoch ms', 'plain B epoch ms'],
+        markdown_table(['n', 'GradAcc epoch ms', 'plain B epoch ms'],
                [[n, _range(data['gradacc']['epoch_cpu_s'][i], 1e3),
                  _range(data['plain_B']['epoch_cpu_s'][i], 1e3)]
                 for i, n in enumerate(data['ns'])]),
@@ -275,7 +269,7 @@ def markdown(results):
         '- section run times: {}'.format(', '.join(
             '{} {:.0f} s'.format(*item) for item in results['seconds'].items())),
         '', '## Targets', '',
-        _table(['target', 'measured', 'met'],
+        markdown_table(['target', 'measured', 'met'],
                [[t['target'], t['measured'], 'yes' if t['met'] else '**no**']
                 for t in results['targets']])]
     for section, render in (('overhead', _md_overhead),

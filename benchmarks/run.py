@@ -115,12 +115,8 @@ def main(argv=None):
         torch.set_num_threads(threads)  # leave the process as it was
     meta['load_average_end'] = os.getloadavg()
     results['targets'] = report.evaluate_targets(results)
-    out = Path(args.out)
-    paths = harness.save(out, 'benchmarks', results) + [
-        out / 'benchmarks.md', out / 'benchmarks.png']
-    paths[1].write_text(report.markdown(results))
-    report.plot(results, paths[2])
-    print(*paths, sep='\n')
+    harness.save(args.out, 'benchmarks', results, report.markdown(results))
+    report.plot(results, Path(args.out) / 'benchmarks.png')
     return 0
 
 

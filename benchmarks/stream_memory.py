@@ -36,6 +36,7 @@ from skorch import NeuralNet
 from skorch.callbacks import EpochScoring
 
 from benchmarks import harness
+from benchmarks.workloads import mlp
 from skorch_gradacc import GradAccNeuralNet
 
 __all__ = ['MODELS', 'build', 'make_net', 'measure', 'main']
@@ -89,9 +90,7 @@ def build(name, rows):
             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
             torch.nn.Linear(3, 10)), torch.nn.CrossEntropyLoss, X, y
     X = torch.randn(rows, 64, generator=generator)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(),
-        torch.nn.Linear(512, classes)), torch.nn.CrossEntropyLoss, X, y
+    return mlp(64, 512, classes, n_layers=1), torch.nn.CrossEntropyLoss, X, y
 
 
 def make_net(name, kind, batch_size, acc_steps, rows, **kwargs):
@@ -173,8 +172,7 @@ def main(argv=None):
                'repeats': 3, 'models': measure_models(list(MODELS)),
                'sweep': [dict(_three('lm_tokens', 8, k, 512), k=k)
                          for k in SWEEP] if args.sweep else []}
-    for path in harness.save(args.out, 'stream_memory', results, **tables(results)):
-        print(path.read_text() if path.suffix == '.csv' else path)
+    harness.save(args.out, 'stream_memory', results, **tables(results))
     return 0
 
 

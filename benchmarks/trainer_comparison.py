@@ -19,12 +19,12 @@ the accumulated ones; the GradAcc net through its default count.
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks import harness
+from skorch_gradacc.demo import max_param_diff
 
 B, K, EPOCHS, LR, N_SEQ, IGNORE = 4, 8, 2, 0.1, 256, -100
 RUNS = ['skorch_acc', 'skorch_large', 'trainer_acc', 'trainer_large']
@@ -135,42 +135,37 @@ def run(name):
                 key: value.numpy() for key, value in model.state_dict().items()}
 
 
-def distance(a, b):
-    return max(float(np.abs(a[key] - b[key]).max()) for key in a)
-
-
 def main(argv=None):
     args = harness.parser('benchmarks.trainer_comparison',
                           __doc__.splitlines()[0]).parse_args(argv)
     numbers, params = {}, {}
     for name in RUNS:
-        numbers[name], params[name] = harness.fresh_process(run, name)
-    rows = [
-        '| run | max abs param distance | to | s / epoch | peak RSS (MiB) '
-        '| loss check (s) |', '|---|---|---|---|---|---|']
-    for name, ref in [('skorch_acc', 'skorch_large'),
-                      ('trainer_acc', 'trainer_large'),
-                      ('skorch_large', 'trainer_large'),
-                      ('trainer_large', 'skorch_large')]:
-        check = numbers[name]['check_s']
-        rows.append('| {} | {:.1e} | {} | {:.2f} | {:.0f} | {} |'.format(
-            name, distance(params[name], params[ref]), ref,
-            numbers[name]['s_per_epoch'], numbers[name]['peak_rss_mib'],
-            '-' if check is None else '{:.3f}'.format(check)))
+        numbers[name], state = harness.fresh_process(run, name)
+        params[name] = {key: torch.from_numpy(value)
+                        for key, value in state.items()}
+    rows = [[name, '{:.1e}'.format(max_param_diff(params[name], params[ref])),
+             ref, '{:.2f}'.format(numbers[name]['s_per_epoch']),
+             '{:.0f}'.format(numbers[name]['peak_rss_mib']),
+             '-' if numbers[name]['check_s'] is None else '{:.3f}'.format(
+                 numbers[name]['check_s'])]
+            for name, ref in [('skorch_acc', 'skorch_large'),
+                              ('trainer_acc', 'trainer_large'),
+                              ('skorch_large', 'trainer_large'),
+                              ('trainer_large', 'skorch_large')]]
     text = '\n'.join([
         '# GradAcc net and transformers Trainer: exactness, time, memory', '',
         'Tiny GPT-2 (2 layers, 64 dims, vocab 512), float64, {} sequences of '
         '8 to 199 tokens, micro-batch {}, k={}, {} epochs, SGD lr={}, one '
         'thread; `python -m benchmarks.trainer_comparison`.'.format(
-            N_SEQ, B, K, EPOCHS, LR), ''] + rows + [
-        '', 'The loss check runs once per fit: {:.1%} of one epoch here.'
-        .format(numbers['skorch_acc']['check_s']
-                / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
+            N_SEQ, B, K, EPOCHS, LR), '', harness.markdown_table(
+                ['run', 'max abs param distance', 'to', 's / epoch',
+                 'peak RSS (MiB)', 'loss check (s)'], rows),
+        'The loss check runs once per fit: {:.1%} of one epoch here.'.format(
+            numbers['skorch_acc']['check_s']
+            / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
     harness.save(args.out, 'trainer_comparison', dict(
         numbers, provenance=harness.provenance(
-            'benchmarks.trainer_comparison', sys.argv[1:])))
-    (Path(args.out) / 'trainer_comparison.md').write_text(text)
-    print(text)
+            'benchmarks.trainer_comparison', sys.argv[1:])), text)
 
 
 if __name__ == '__main__':

@@ -21,12 +21,13 @@ from skorch_gradacc.demo import NaiveDivideByK
 __all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
            'make_net', 'make_workload']
 
-def mlp(n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
-    """A tabular MLP: two hidden ReLU layers, logits out."""
-    return torch.nn.Sequential(
-        torch.nn.Linear(n_in, n_hidden, dtype=dtype), torch.nn.ReLU(),
-        torch.nn.Linear(n_hidden, n_hidden, dtype=dtype), torch.nn.ReLU(),
-        torch.nn.Linear(n_hidden, n_out, dtype=dtype))
+def mlp(n_in=64, n_hidden=256, n_out=10, n_layers=2, dtype=torch.float32):
+    """An MLP: ``n_layers`` hidden ReLU layers, logits out."""
+    layers, width = [], n_in
+    for _ in range(n_layers):
+        layers += [torch.nn.Linear(width, n_hidden, dtype=dtype), torch.nn.ReLU()]
+        width = n_hidden
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, n_out, dtype=dtype))
 
 
 def cnn(in_channels=1, image_size=8, channels=(16, 32), n_hidden=64, n_out=10,
