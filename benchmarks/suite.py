@@ -14,7 +14,6 @@ from benchmarks.harness import fresh_process, interleave, summary, train_peak_ki
 from benchmarks.workloads import (
     AccumGradLoop,
     HandLoop,
-    make_data,
     make_net,
     make_workload,
 )
@@ -199,7 +198,7 @@ def _rss(rss_models, repeats, mallocs):
                 / entry['plain_B'][key]['median'] for other in RSS_CONTENDERS}
         # GradAcc's batches are whole groups: their inputs are in memory at
         # once, which plain B never has
-        X, _ = make_data(name, 2, **cfg.get('module_kwargs', {}))
+        X = make_workload(name, cfg, n=2)[0]
         entry['group_input_kib'] = cfg['B'] * k * X[0].nbytes / 2 ** 10
         entry['gradacc_minus_plain_B_kib'] = (
             entry['gradacc']['train_kib']['median']

@@ -18,8 +18,9 @@ from skorch.hf import AccelerateMixin
 from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
 from skorch_gradacc.demo import NaiveDivideByK
 
-__all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
-           'make_net', 'make_workload']
+__all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_net',
+           'make_workload']
+
 
 def mlp(n_in=64, n_hidden=256, n_out=10, n_layers=2, dtype=torch.float32):
     """An MLP: ``n_layers`` hidden ReLU layers, logits out."""
@@ -73,46 +74,35 @@ WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
 
 def make_workload(name, cfg, n=None, dtype=torch.float32):
     """Return ``(X, y, module factory, module kwargs)`` for a workload of
-    ``cfg['n']`` rows (or ``n``) and ``cfg['module_kwargs']``."""
-    kwargs = cfg.get('module_kwargs', {})
-    X, y = make_data(name, cfg['n'] if n is None else n, dtype=dtype, **kwargs)
-    return X, y, WORKLOADS[name], dict(kwargs, dtype=dtype)
-
-
-def make_data(name, n, dtype=torch.float32, seed=0, **module_kwargs):
-    """Return ``(X, y)`` numpy arrays of ``n`` samples for a workload.
-
-    ``module_kwargs`` are the module's size parameters, so that the data fit
-    the module (e.g. ``image_size`` or ``seq_len``).
-    """
-    rng = np.random.default_rng(seed)
+    ``cfg['n']`` rows (or ``n``) and ``cfg['module_kwargs']``; ``X`` and
+    ``y`` are numpy arrays that fit the module (its ``image_size`` or
+    ``seq_len``)."""
+    module, kwargs = WORKLOADS[name], cfg.get('module_kwargs', {})
+    n = cfg['n'] if n is None else n
     floats = np.float64 if dtype == torch.float64 else np.float32
+    rng = np.random.default_rng(0)
+    size, channels = kwargs.get('image_size', 8), kwargs.get('in_channels', 1)
     if name == 'mlp':
-        n_in = module_kwargs.get('n_in', 64)
+        n_in = kwargs.get('n_in', 64)
         X, y = make_classification(
             n_samples=n, n_features=n_in, n_informative=n_in // 2,
-            n_classes=module_kwargs.get('n_out', 10), n_clusters_per_class=1,
-            random_state=seed)
-        return ((X - X.mean(0)) / X.std(0)).astype(floats), y.astype(np.int64)
-    if name == 'cnn':
-        size = module_kwargs.get('image_size', 8)
-        channels = module_kwargs.get('in_channels', 1)
-        if size == 8 and channels == 1:
-            # scikit-learn's bundled digits, repeated if more are asked for
-            X, y = load_digits(return_X_y=True)
-            rows = np.arange(n) % len(X)
-            X = (X[rows] / 16.0).reshape(n, 1, 8, 8)
-            return X.astype(floats), y[rows].astype(np.int64)
+            n_classes=kwargs.get('n_out', 10), n_clusters_per_class=1,
+            random_state=0)
+        X = ((X - X.mean(0)) / X.std(0)).astype(floats)
+    elif name == 'cnn' and size == 8 and channels == 1:
+        # scikit-learn's bundled digits, repeated if more are asked for
+        X, y = load_digits(return_X_y=True)
+        rows = np.arange(n) % len(X)
+        X, y = (X[rows] / 16.0).reshape(n, 1, 8, 8).astype(floats), y[rows]
+    elif name == 'cnn':
         X = rng.standard_normal((n, channels, size, size), dtype=np.float32)
-        y = rng.integers(0, module_kwargs.get('n_out', 10), size=n)
-        return X.astype(floats), y.astype(np.int64)
-    if name == 'transformer':
-        X = rng.integers(0, module_kwargs.get('vocab_size', 64),
-                         size=(n, module_kwargs.get('seq_len', 32)))
+        X, y = X.astype(floats), rng.integers(0, kwargs.get('n_out', 10), size=n)
+    else:
+        X = rng.integers(0, kwargs.get('vocab_size', 64),
+                         size=(n, kwargs.get('seq_len', 32)))
         # a label that needs the whole sequence: more 1s than 2s?
-        y = ((X == 1).sum(1) > (X == 2).sum(1)).astype(np.int64)
-        return X.astype(np.int64), y
-    raise ValueError('unknown workload {!r}'.format(name))
+        y = (X == 1).sum(1) > (X == 2).sum(1)
+    return X, y.astype(np.int64), module, dict(kwargs, dtype=dtype)
 
 
 class FAQRecipeNet(NeuralNetClassifier):
