@@ -37,14 +37,14 @@ def evaluate_targets(results):
         by_plain = {LABELS[m]: e['ratios']['cpu']['plain_B']
                     for m, e in overhead.items()}
         ratios = [(m, r['gradacc']['median']) for m, r in by_plain.items()]
-        target('overhead', 'GradAcc (B, k) <= {:.2f}x plain skorch at B, per '
-               'epoch (median CPU time)'.format(OVERHEAD_TARGET),
+        target('overhead', 'GradAcc (B, k) <= {:.2f}x plain skorch at B, per epoch '
+               '(median CPU time)'.format(OVERHEAD_TARGET),
                _listed(ratios, '{} {:.3f}x'),
                max(r for _, r in ratios) <= OVERHEAD_TARGET)
         noise = [(m, r['gradacc_k1']['median'], r['plain_B_again']['min'],
                   r['plain_B_again']['max']) for m, r in by_plain.items()]
-        measured = _listed(noise, '{} {:.3f}x (A/A noise {:.3f}-{:.3f})'
-                           ).replace(', ', '; ')
+        measured = '; '.join('{} {:.3f}x (A/A noise {:.3f}-{:.3f})'.format(*n)
+                             for n in noise)
         met = all(low <= ratio <= high for _, ratio, low, high in noise)
         if exactness:
             worst = max(e['gradacc']['control_k1_max_param_diff']
@@ -52,49 +52,45 @@ def evaluate_targets(results):
             met = met and worst == 0.0
             measured += '; parameters bit for bit equal: {}'.format(
                 'yes' if worst == 0.0 else 'no ({:.1e})'.format(worst))
-        target('acc_steps_1', 'acc_steps=1 indistinguishable from plain '
-               "skorch: its median time ratio within the A/A control's range",
-               measured, met)
+        target('acc_steps_1', 'acc_steps=1 indistinguishable from plain skorch: its '
+               "median time ratio within the A/A control's range", measured, met)
     if memory:
         worst = max((ratio, LABELS[m], k) for m, e in memory['activation'].items()
                     for k, ratio in zip(e['ks'], e['gradacc_vs_plain_B']))
-        target('memory_activation', 'GradAcc activation memory within {:.0f}% '
-               'of plain B, any k'.format(100 * (MEMORY_TARGET - 1)),
-               'worst {:.3f}x ({}, k={})'.format(*worst),
-               worst[0] <= MEMORY_TARGET)
+        target('memory_activation', 'GradAcc activation memory within {:.0f}% of '
+               'plain B, any k'.format(100 * (MEMORY_TARGET - 1)),
+               'worst {:.3f}x ({}, k={})'.format(*worst), worst[0] <= MEMORY_TARGET)
         for malloc, entries in memory['rss'].items():
             cases = [(LABELS[m], k, e['train_kib_vs_plain_B']['gradacc'])
                      for m, by_k in entries.items() for k, e in by_k.items()]
-            target('memory_rss_' + malloc, 'GradAcc peak RSS growth within '
-                   '{:.0f}% of plain B ({})'.format(100 * (MEMORY_TARGET - 1),
-                                                    MALLOCS[malloc]),
+            target('memory_rss_' + malloc, 'GradAcc peak RSS growth within {:.0f}% of '
+                   'plain B ({})'.format(100 * (MEMORY_TARGET - 1), MALLOCS[malloc]),
                    _listed(cases, '{} k={} {:.2f}x'),
                    max(c[2] for c in cases) <= MEMORY_TARGET)
     if exactness:
         diffs = [(LABELS[m], e['gradacc']['max_param_diff'])
                  for m, e in exactness.items()]
-        target('exactness', 'GradAcc parameters within {:.0e} of the '
-               'large-batch net (float64)'.format(EXACT_TARGET),
-               _listed(diffs, '{} {:.1e}'),
+        target('exactness', 'GradAcc parameters within {:.0e} of the large-batch net '
+               '(float64)'.format(EXACT_TARGET), _listed(diffs, '{} {:.1e}'),
                max(d for _, d in diffs) < EXACT_TARGET)
     if scaling:
         fits = [(LABELS[m], e['gradacc']['step_fit']['r2'])
                 for m, e in scaling['by_k'].items()]
-        target('scaling_k', 'cost per optimizer step linear in k (R^2 >= {})'
-               .format(LINEAR_R2), _listed(fits, '{} R^2={:.4f}'),
-               min(r2 for _, r2 in fits) >= LINEAR_R2)
+        target('scaling_k', 'cost per optimizer step linear in k (R^2 >= {})'.format(
+            LINEAR_R2), _listed(fits, '{} R^2={:.4f}'),
+            min(r2 for _, r2 in fits) >= LINEAR_R2)
         fit = [(LABELS[scaling['by_data']['model']],
                 scaling['by_data']['gradacc']['fit']['r2'])]
-        target('scaling_data', 'epoch time linear in the number of samples '
-               '(R^2 >= {})'.format(LINEAR_R2), _listed(fit, '{} R^2={:.4f}'),
+        target('scaling_data', 'epoch time linear in the number of samples (R^2 >= '
+               '{})'.format(LINEAR_R2), _listed(fit, '{} R^2={:.4f}'),
                fit[0][1] >= LINEAR_R2)
     return targets
 
 
 def _range(summary, scale=1.0, digits=1):
     return '{:.{d}f} [{:.{d}f}-{:.{d}f}]'.format(
-        scale * summary['median'], scale * summary['min'],
-        scale * summary['max'], d=digits)
+        scale * summary['median'], scale * summary['min'], scale * summary['max'],
+        d=digits)
 
 
 def _sci(value):
@@ -102,60 +98,56 @@ def _sci(value):
 
 
 GAP_PARTS = {'data_path': "skorch's data path (Dataset, collation)",
-             'skorch_loop': "skorch's loop (notify, history, train_step, "
-                            "GradAcc's split/concat)",
+             'skorch_loop': "skorch's loop (notify, history, train_step, GradAcc's "
+                            'split/concat)',
              'callbacks': 'default callbacks (EpochTimer, PrintLog, scoring)',
              'total': 'total: GradAcc - hand loop'}
 
 
 def _md_overhead(overhead):
     out = ['## 1. Overhead: time per epoch', '',
-           'Median [min-max] over interleaved rounds. Ratios are taken within '
-           "each round, then summarized. CPU time is the process's own "
-           '(`time.process_time`), which other processes on the machine '
-           'disturb less than wall time; wall-time ratios are given too. '
-           'Training only (`train_split=None`), shuffled, SGD with momentum.',
-           '']
+           'Median [min-max] over interleaved rounds. Ratios are taken within each '
+           "round, then summarized. CPU time is the process's own "
+           '(`time.process_time`), which other processes on the machine disturb '
+           'less than wall time; wall-time ratios are given too. Training only '
+           '(`train_split=None`), shuffled, SGD with momentum.', '']
     for model, entry in overhead.items():
+        cpu, wall = entry['ratios']['cpu'], entry['ratios']['wall']
         out += ['### {}: n={n}, B={B}, k={k}, {} rounds'.format(
-            LABELS[model], entry['rounds'], **entry['config']), '']
-        ratios = entry['ratios']
-        out.append(markdown_table(
+            LABELS[model], entry['rounds'], **entry['config']), '', markdown_table(
             ['contender', 'what', 'CPU ms/epoch', 'x plain B (CPU)',
              'x plain B (wall)', 'x hand loop (CPU)'],
-            [['`{}`'.format(name), what, _range(entry['cpu_s'][name], 1e3),
-              _range(ratios['cpu']['plain_B'][name], digits=3),
-              _range(ratios['wall']['plain_B'][name], digits=3),
-              _range(ratios['cpu']['hand'][name], digits=3)]
-             for name, what in CONTENDERS.items()]))
-        out += ["Where GradAcc's extra time over the hand-written loop goes "
-                '(per-round CPU differences):', '', markdown_table(
-                    ['part', 'ms/epoch', 'us per micro-batch', '% of hand loop'],
-                    [[GAP_PARTS[part], _range(values['seconds'], 1e3),
-                      '{:.0f}'.format(values['us_per_micro_batch']),
-                      '{:.0f}%'.format(100 * values['fraction_of_hand'])]
-                     for part, values in entry['gap'].items()])]
+            [['`{}`'.format(name), what, _range(entry['cpu_s'][name], 1e3)]
+             + [_range(ratios[name], digits=3) for ratios in (
+                 cpu['plain_B'], wall['plain_B'], cpu['hand'])]
+             for name, what in CONTENDERS.items()]),
+            "Where GradAcc's extra time over the hand-written loop goes (per-round "
+            'CPU differences):', '', markdown_table(
+                ['part', 'ms/epoch', 'us per micro-batch', '% of hand loop'],
+                [[GAP_PARTS[part], _range(values['seconds'], 1e3),
+                  '{:.0f}'.format(values['us_per_micro_batch']),
+                  '{:.0f}%'.format(100 * values['fraction_of_hand'])]
+                 for part, values in entry['gap'].items()])]
     return out
 
 
 def _md_profile(profile):
     return ['## Profile: one GradAcc epoch ({}, B={B}, k={k}, n={n})'.format(
         LABELS[profile['model']], **profile), '',
-        'cProfile, top functions by self time; cProfile inflates '
-        'Python-level costs, so read it for names, not sizes.', '', markdown_table(
+        'cProfile, top functions by self time; cProfile inflates Python-level '
+        'costs, so read it for names, not sizes.', '', markdown_table(
             ['function', 'calls', 'self ms', 'cumulative ms', 'self %'],
             [['`{}`'.format(row['function']), row['calls'],
               '{:.1f}'.format(1e3 * row['self_s']),
               '{:.1f}'.format(1e3 * row['cumulative_s']),
-              '{:.1f}%'.format(100 * row['self_fraction'])]
-             for row in profile['top']])]
+              '{:.1f}%'.format(100 * row['self_fraction'])] for row in profile['top']])]
 
 
 def _md_memory(memory):
     out = ['## 2. Memory', '', '### Activation memory as k grows', '',
-           'Peak bytes of the tensors saved for backward '
-           '(`track_activation_memory`) while training one group of B*k '
-           'rows; deterministic. Plain B is the k=1 column.', '', markdown_table(
+           'Peak bytes of the tensors saved for backward (`track_activation_memory`) '
+           'while training one group of B*k rows; deterministic. Plain B is the k=1 '
+           'column.', '', markdown_table(
                ['model', 'B', 'k', 'GradAcc KiB', 'x plain B', 'plain B*k KiB',
                 'x plain B'],
                [[LABELS[model], entry['B'], k,
@@ -167,44 +159,39 @@ def _md_memory(memory):
                 for i, k in enumerate(entry['ks'])])]
     for malloc, entries in memory['rss'].items():
         out += ['### Peak RSS growth, {}'.format(MALLOCS[malloc]), '',
-                'Peak RSS minus the RSS just before training, each '
-                'configuration in a fresh process forked from a clean server, '
-                'one group of B*k rows; MiB, median [min-max]; the ratio is '
-                'of medians. The FAQ recipe accumulates over the same '
-                'micro-batches as plain B. The last two columns (MiB) compare '
-                "GradAcc's excess over plain B with the size of the inputs "
-                "of one group of B*k rows, which GradAcc's batches hold.", '',
-                markdown_table(['model', 'B', 'k', 'plain B', 'FAQ recipe', 'GradAcc',
-                        'plain B*k', 'GradAcc activations x plain B',
-                        'GradAcc - plain B', "a group's inputs"],
-                       [[LABELS[model], entry['B'], k] + [
-                           '{} ({:.2f}x)'.format(_range(
-                               entry[label]['train_kib'], 1 / 2 ** 10),
-                               entry['train_kib_vs_plain_B'][label])
-                           for label in RSS_CONTENDERS] + [
-                           '{:.2f}x'.format(entry['activation_bytes_vs_plain_B']
-                                            ['gradacc']),
-                           '{:.2f}'.format(entry['gradacc_minus_plain_B_kib']
-                                           / 2 ** 10),
-                           '{:.2f}'.format(entry['group_input_kib'] / 2 ** 10)]
-                        for model, by_k in entries.items()
-                        for k, entry in by_k.items()])]
+                'Peak RSS minus the RSS just before training, each configuration in '
+                'a fresh process forked from a clean server, one group of B*k rows; '
+                'MiB, median [min-max]; the ratio is of medians. The FAQ recipe '
+                'accumulates over the same micro-batches as plain B. The last two '
+                "columns (MiB) compare GradAcc's excess over plain B with the size "
+                "of the inputs of one group of B*k rows, which GradAcc's batches "
+                'hold.', '', markdown_table(
+                    ['model', 'B', 'k', 'plain B', 'FAQ recipe', 'GradAcc',
+                     'plain B*k', 'GradAcc activations x plain B',
+                     'GradAcc - plain B', "a group's inputs"],
+                    [[LABELS[model], entry['B'], k] + ['{} ({:.2f}x)'.format(
+                        _range(entry[label]['train_kib'], 1 / 2 ** 10),
+                        entry['train_kib_vs_plain_B'][label])
+                        for label in RSS_CONTENDERS] + [
+                        '{:.2f}x'.format(entry['activation_bytes_vs_plain_B']['gradacc']),
+                        '{:.2f}'.format(entry['gradacc_minus_plain_B_kib'] / 2 ** 10),
+                        '{:.2f}'.format(entry['group_input_kib'] / 2 ** 10)]
+                     for model, by_k in entries.items() for k, entry in by_k.items()])]
     return out
 
 
 def _md_exactness(exactness):
     return ['## 3. Exactness', '',
-            'Largest absolute parameter difference to plain skorch at B*k '
-            'after training, float64, same initial weights and sample order. '
-            'The data leave a short last micro-batch and a partial last group. '
-            'k=1 controls: each recipe at acc_steps=1 against plain skorch at '
-            "B. Loss ratio: the final epoch's reported train_loss over the "
-            "large-batch net's (-: the loops keep no history).", '', markdown_table(
-                ['model', 'setting', 'recipe', 'max abs param diff',
-                 'loss ratio', 'k=1 control'],
+            'Largest absolute parameter difference to plain skorch at B*k after '
+            'training, float64, same initial weights and sample order. The data '
+            'leave a short last micro-batch and a partial last group. k=1 controls: '
+            'each recipe at acc_steps=1 against plain skorch at B. Loss ratio: the '
+            "final epoch's reported train_loss over the large-batch net's (-: the "
+            'loops keep no history).', '', markdown_table(
+                ['model', 'setting', 'recipe', 'max abs param diff', 'loss ratio',
+                 'k=1 control'],
                 [[LABELS[model], 'n={n}, B={B}, k={k}, {epochs} epochs'.format(
-                    **entry['config']), label,
-                  _sci(entry[kind]['max_param_diff']),
+                    **entry['config']), label, _sci(entry[kind]['max_param_diff']),
                   '-' if entry[kind]['train_loss_ratio'] is None else
                   '{:.3f}'.format(entry[kind]['train_loss_ratio']),
                   _sci(entry[kind]['control_k1_max_param_diff'])]
@@ -217,32 +204,32 @@ def _md_scaling(scaling):
     fit = {kind: data[kind]['fit'] for kind in ('gradacc', 'plain_B')}
     return [
         '## 4. Scaling', '', '### As k grows, at a fixed micro-batch', '',
-        'Every k sees the same micro-batches per epoch, so the epoch should '
-        'cost the same and one optimizer step (k micro-batches) k times '
-        'more. CPU ms, median [min-max].', '',
+        'Every k sees the same micro-batches per epoch, so the epoch should cost the '
+        'same and one optimizer step (k micro-batches) k times more. CPU ms, median '
+        '[min-max].', '',
         markdown_table(['model', 'B', 'k', 'GradAcc epoch', 'GradAcc per step'],
-               [[LABELS[model], entry['config']['B'], k,
-                 _range(entry['gradacc']['epoch_cpu_s'][i], 1e3),
-                 '{:.2f}'.format(1e3 * entry['gradacc']['step_cpu_s'][i])]
-                for model, entry in by_k.items()
-                for i, k in enumerate(entry['ks'])]),
+                       [[LABELS[model], entry['config']['B'], k,
+                         _range(entry['gradacc']['epoch_cpu_s'][i], 1e3),
+                         '{:.2f}'.format(1e3 * entry['gradacc']['step_cpu_s'][i])]
+                        for model, entry in by_k.items()
+                        for i, k in enumerate(entry['ks'])]),
         markdown_table(['model', 'step cost slope (ms per micro-batch)',
-                'intercept ms', 'R^2', 'epoch time max/min over k'],
-               [[LABELS[model], '{:.3f}'.format(1e3 * e['step_fit']['slope']),
-                 '{:.3f}'.format(1e3 * e['step_fit']['intercept']),
-                 '{:.4f}'.format(e['step_fit']['r2']),
-                 '{:.2f}'.format(e['epoch_spread'])]
-                for model, e in ((m, v['gradacc']) for m, v in by_k.items())]),
+                        'intercept ms', 'R^2', 'epoch time max/min over k'],
+                       [[LABELS[model], '{:.3f}'.format(1e3 * e['step_fit']['slope']),
+                         '{:.3f}'.format(1e3 * e['step_fit']['intercept']),
+                         '{:.4f}'.format(e['step_fit']['r2']),
+                         '{:.2f}'.format(e['epoch_spread'])]
+                        for model, e in ((m, v['gradacc']) for m, v in by_k.items())]),
         '### As the data grow ({}, B={}, k={})'.format(
             LABELS[data['model']], data['B'], data['k']), '',
         markdown_table(['n', 'GradAcc epoch ms', 'plain B epoch ms'],
-               [[n, _range(data['gradacc']['epoch_cpu_s'][i], 1e3),
-                 _range(data['plain_B']['epoch_cpu_s'][i], 1e3)]
-                for i, n in enumerate(data['ns'])]),
-        'Linear fit of the medians: GradAcc {:.3f} ms per 1000 samples '
-        '(R^2={:.4f}); plain B {:.3f} ms per 1000 samples (R^2={:.4f}).'
-        .format(1e6 * fit['gradacc']['slope'], fit['gradacc']['r2'],
-                1e6 * fit['plain_B']['slope'], fit['plain_B']['r2']), '']
+                       [[n] + [_range(data[kind]['epoch_cpu_s'][i], 1e3)
+                               for kind in ('gradacc', 'plain_B')]
+                        for i, n in enumerate(data['ns'])]),
+        'Linear fit of the medians: GradAcc {:.3f} ms per 1000 samples (R^2={:.4f}); '
+        'plain B {:.3f} ms per 1000 samples (R^2={:.4f}).'.format(
+            1e6 * fit['gradacc']['slope'], fit['gradacc']['r2'],
+            1e6 * fit['plain_B']['slope'], fit['plain_B']['r2']), '']
 
 
 def markdown(results):
