@@ -1,23 +1,20 @@
 """How every benchmark measures: time, peak RSS, and where a run came from.
 
-* **Time** (:func:`interleave`): the contenders take turns, round after
-  round, in an order rotated from round to round, and ratios are taken
-  within a round, so that a slow phase of a shared machine slows both sides
-  of a ratio. :func:`summary` gives the median, min and max of the rounds.
-* **Peak RSS** (:func:`fresh_process`, :func:`peak_growth_kib`): a
-  measurement runs in a fresh process forked from a server that has
-  imported torch and skorch but run nothing (``torchrun`` ranks are fresh
-  processes too). With ``malloc='fixed'``, glibc ``mmap`` s every block of
-  64 KiB or more and returns it on ``free`` (``MALLOC_MMAP_THRESHOLD_=65536``
-  set by ``mallopt``), so that peak RSS follows the memory in use;
-  ``'default'`` keeps glibc's settings, where freed memory stays in the heap
-  and fragments. torch's one-time costs are paid first on a copy of the
-  module, then the kernel's peak counter is reset (``/proc/self/clear_refs``)
-  and the growth of the peak (``VmHWM``) over the RSS just before is what
-  the work took. Linux only.
+* **Time** (:func:`interleave`): the contenders take turns, round after round, in
+  an order rotated from round to round, and ratios are taken within a round, so
+  that a slow phase of a shared machine slows both sides of a ratio.
+* **Peak RSS** (:func:`fresh_process`, :func:`torchrun`, :func:`peak_growth_kib`):
+  a measurement runs in a fresh process (forked from a server that has imported
+  torch and skorch but run nothing, or a ``torchrun`` rank). With
+  ``malloc='fixed'``, glibc ``mmap`` s every block of 64 KiB or more and returns
+  it on ``free`` (``MALLOC_MMAP_THRESHOLD_=65536`` set by ``mallopt``), so that
+  peak RSS follows the memory in use; ``'default'`` keeps glibc's settings,
+  where freed memory stays in the heap and fragments. torch's one-time costs are
+  paid first on a copy of the module, then the kernel's peak counter is reset
+  (``/proc/self/clear_refs``) and the growth of the peak (``VmHWM``) over the RSS
+  just before is what the work took. Linux only.
 * **Provenance** (:func:`provenance`): the command, the commit, whether the
-  package differs from it, the machine and the versions, saved in every
-  JSON result by :func:`save`.
+  package differs from it, the machine and the versions, saved with every result.
 """
 
 import argparse
@@ -26,6 +23,7 @@ import csv
 import ctypes
 import datetime
 import gc
+import importlib
 import json
 import multiprocessing
 import os
@@ -38,9 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ['fresh_process', 'interleave', 'markdown_table', 'parser', 'peak_growth_kib',
-           'prepare_process', 'provenance', 'save', 'summary', 'torchrun',
-           'train_peak_kib']
+__all__ = ['fresh_process', 'interleave', 'markdown_table', 'parser',
+           'peak_growth_kib', 'prepare_process', 'provenance', 'save', 'summary',
+           'torchrun', 'train_peak_kib']
 
 
 def summary(values):
@@ -54,21 +52,18 @@ def markdown_table(header, rows):
     """A Markdown table of ``rows`` (lists of cells), then an empty line."""
     return '\n'.join(['| ' + ' | '.join(header) + ' |',
                       '|' + '|'.join('---' for _ in header) + '|']
-                     + ['| ' + ' | '.join(str(cell) for cell in row) + ' |'
-                        for row in rows] + [''])
+                     + ['| ' + ' | '.join(map(str, row)) + ' |' for row in rows]
+                     + [''])
 
 
 def interleave(contenders, rounds, warmup=1):
-    """Time each callable of ``contenders`` (name: callable) once per round.
-
-    ``warmup`` untimed rounds pay one-time costs first. Returns ``{'cpu':
-    ..., 'wall': ...}``, each mapping a name to its ``rounds`` durations in
-    seconds, the i-th of every list from the same round. CPU time is the
-    process's own, which other processes disturb much less than wall time.
-    """
+    """Time each callable of ``contenders`` (name: callable) once per round,
+    after ``warmup`` untimed rounds; return ``{'cpu': ..., 'wall': ...}``, each
+    mapping a name to its durations in seconds, the i-th of every list from the
+    same round. CPU time is the process's own, which other processes disturb
+    much less than wall time."""
     names = list(contenders)
-    times = {'cpu': {name: [] for name in names},
-             'wall': {name: [] for name in names}}
+    times = {clock: {name: [] for name in names} for clock in ('cpu', 'wall')}
     # collect before each timed run, and freeze what exists now so that
     # collecting stays cheap (torch leaves many objects to scan)
     gc.collect()
@@ -78,8 +73,7 @@ def interleave(contenders, rounds, warmup=1):
             for name in names:
                 contenders[name]()
         for round_ in range(rounds):
-            shift = round_ % len(names)
-            order = names[shift:] + names[:shift]
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
             for name in reversed(order) if round_ % 2 else order:
                 gc.collect()
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -93,30 +87,25 @@ def interleave(contenders, rounds, warmup=1):
 
 def _status_kib(field):
     with open('/proc/self/status') as status:
-        for line in status:
-            if line.startswith(field + ':'):
-                return int(line.split()[1])
-    raise RuntimeError('{} not in /proc/self/status'.format(field))
+        return next(int(line.split()[1]) for line in status
+                    if line.startswith(field + ':'))
 
 
 def peak_growth_kib(work):
-    """Run ``work()``; return the growth of the peak RSS and of the RSS
-    over the RSS just before (KiB), and what ``work`` returned."""
+    """Run ``work()``; return the growth of the peak RSS and of the RSS over
+    the RSS just before (KiB), and what ``work`` returned."""
     gc.collect()
     with open('/proc/self/clear_refs', 'w') as clear_refs:
         clear_refs.write('5')  # the peak starts again from the RSS now
     baseline = _status_kib('VmRSS')
     result = work()
-    return (_status_kib('VmHWM') - baseline, _status_kib('VmRSS') - baseline,
-            result)
+    return _status_kib('VmHWM') - baseline, _status_kib('VmRSS') - baseline, result
 
 
 def train_peak_kib(net, X, y):
-    """Peak RSS growth (KiB) of one ``net.partial_fit(X, y)``.
-
-    torch's one-time costs (kernels, the autograd engine) are paid first on
-    a copy of the module, alike for every configuration.
-    """
+    """Peak RSS growth (KiB) of one ``net.partial_fit(X, y)``, after paying
+    torch's one-time costs (kernels, the autograd engine) on a copy of the
+    module, alike for every configuration."""
     import torch
 
     warm = copy.deepcopy(net.module_)
@@ -141,18 +130,14 @@ def _child(function, args, malloc, conn):
 
 
 def fresh_process(function, *args, malloc='fixed', timeout=600):
-    """Return ``function(*args)``, called in a fresh process (see above).
-
-    ``function`` is a module-level function of an importable module.
-    """
+    """Return ``function(*args)``, called in a fresh process (see above);
+    ``function`` is a module-level function of an importable module."""
     context = multiprocessing.get_context('forkserver')
     # torch._dynamo: the first optimizer imports it, which takes seconds
-    context.set_forkserver_preload(['torch', 'torch._dynamo', 'skorch',
-                                    'sklearn', 'skorch_gradacc',
-                                    'benchmarks.workloads'])
+    context.set_forkserver_preload(['torch', 'torch._dynamo', 'skorch', 'sklearn',
+                                    'skorch_gradacc', 'benchmarks.workloads'])
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child,
-                              args=(function, args, malloc, sender))
+    process = context.Process(target=_child, args=(function, args, malloc, sender))
     process.start()
     sender.close()
     try:
@@ -162,17 +147,15 @@ def fresh_process(function, *args, malloc='fixed', timeout=600):
     except (EOFError, RuntimeError) as exc:
         process.kill()
         raise RuntimeError('measurement failed (exit code {}, {}): {}{}'.format(
-            process.exitcode, exc or 'no result', function.__name__, args)
-        ) from None
+            process.exitcode, exc or 'no result', function.__name__, args)) from None
     finally:
         process.join()
 
 
 def torchrun(function, *args, nproc=2, malloc='fixed', timeout=600):
-    """Return each rank's ``function(*args)`` (a list), called on ``nproc``
-    gloo ranks started by ``torchrun``, each prepared as in
-    :func:`fresh_process`. ``function`` is a module-level function; its
-    arguments and result are JSON-able."""
+    """Return each rank's ``function(*args)`` (a list), called on ``nproc`` gloo
+    ranks started by ``torchrun``, each prepared as in :func:`fresh_process`;
+    ``function`` is module-level, its arguments and result JSON-able."""
     module = function.__module__
     if module == '__main__':  # run as ``python -m module``
         module = sys.modules['__main__'].__spec__.name
@@ -191,8 +174,6 @@ def torchrun(function, *args, nproc=2, malloc='fixed', timeout=600):
 
 def _rank(module, name, malloc, args):
     """One rank of :func:`torchrun`; rank 0 prints every rank's result."""
-    import importlib
-
     import torch.distributed as dist
 
     prepare_process(malloc)
@@ -221,16 +202,15 @@ def provenance(module, argv):
 
     package = Path(skorch_gradacc.__file__).parent
     changes = _git('status', '--porcelain', '--', str(package))
-    cpu = platform.processor() or 'unknown'
-    if Path('/proc/cpuinfo').exists():
-        cpu = next((line.split(':', 1)[1].strip() for line in
-                    Path('/proc/cpuinfo').read_text().splitlines()
-                    if line.startswith('model name')), cpu)
+    cpuinfo = Path('/proc/cpuinfo')
+    cpu = next((line.split(':', 1)[1].strip() for line in (
+        cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+        if line.startswith('model name')), platform.processor() or 'unknown')
     versions = {}
     for name in ('torch', 'skorch', 'accelerate', 'numpy', 'sklearn',
                  'skorch_gradacc'):
         try:
-            versions[name] = __import__(name).__version__
+            versions[name] = importlib.import_module(name).__version__
         except (ImportError, AttributeError):
             versions[name] = None
     return {
@@ -238,17 +218,17 @@ def provenance(module, argv):
             timespec='seconds'),
         'command': ' '.join(['python -m', module] + list(argv)),
         'git_commit': _git('rev-parse', '--short', 'HEAD'),
-        'skorch_gradacc': {'path': str(package), 'modified': (
-            None if changes is None else bool(changes))},
-        'cpu': cpu, 'cpu_count': os.cpu_count(),
-        'platform': platform.platform(), 'python': platform.python_version(),
-        'versions': versions, 'load_average': os.getloadavg(),
+        'skorch_gradacc': {'path': str(package),
+                           'modified': None if changes is None else bool(changes)},
+        'cpu': cpu, 'cpu_count': os.cpu_count(), 'platform': platform.platform(),
+        'python': platform.python_version(), 'versions': versions,
+        'load_average': os.getloadavg(),
     }
 
 
 def parser(module, description):
-    """The command line of ``python -m module``, with the ``--out`` folder
-    that every benchmark takes."""
+    """The command line of ``python -m module``, with the ``--out`` folder that
+    every benchmark takes."""
     parser = argparse.ArgumentParser(prog='python -m ' + module,
                                      description=description)
     parser.add_argument('--out', default='benchmark_results', metavar='DIR',
@@ -258,9 +238,9 @@ def parser(module, description):
 
 
 def save(out, name, results, markdown=None, **tables):
-    """Write ``name.json`` (``results``), ``name.md`` (``markdown``, if
-    given) and each table (rows, the header first) as ``KEY.csv`` into the
-    folder ``out``; print and return the paths."""
+    """Write ``name.json`` (``results``), ``name.md`` (``markdown``, if given)
+    and each table (rows, the header first) as ``KEY.csv`` into the folder
+    ``out``; print and return the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / (name + '.json')]
