@@ -1,12 +1,12 @@
 """What the benchmarks train: three workloads and the ways to train them.
 
-The workloads are an MLP, a small CNN and a small transformer encoder,
-each a module plus a data generator (numpy arrays; nothing is downloaded:
-the CNN's images are scikit-learn's 8x8 digits, or synthetic ones). The
-contenders (``suite.CONTENDERS`` says what each is) share SGD with
-momentum, shuffled data, no validation split and ``CrossEntropyLoss``, and
-differ only in how they accumulate. ``naive`` is ``loss / k`` with the last
-partial group stepped anyway, the rule of Lightning and most loops.
+The workloads are an MLP, a small CNN and a small transformer encoder, each a
+module and its data (numpy arrays; nothing is downloaded: the CNN's images are
+scikit-learn's 8x8 digits, or synthetic ones). The contenders
+(``suite.CONTENDERS`` says what each is) share SGD with momentum, shuffled data,
+no validation split and ``CrossEntropyLoss``, and differ only in how they
+accumulate. ``naive`` is ``loss / k`` with the last partial group stepped
+anyway, the rule of Lightning and most loops.
 """
 
 import numpy as np
@@ -36,20 +36,17 @@ def cnn(in_channels=1, image_size=8, channels=(16, 32), n_hidden=64, n_out=10,
     """Two 3x3 convolutions, a 2x2 max-pool and a two-layer head."""
     c1, c2 = channels
     return torch.nn.Sequential(
-        torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype),
-        torch.nn.ReLU(), torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype),
-        torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(),
         torch.nn.Linear(c2 * (image_size // 2) ** 2, n_hidden, dtype=dtype),
         torch.nn.ReLU(), torch.nn.Linear(n_hidden, n_out, dtype=dtype))
 
 
 class Transformer(torch.nn.Module):
-    """A small transformer encoder that classifies token sequences.
-
-    Token and position embeddings, ``n_layers`` pre-norm encoder layers
-    without dropout (dropout draws its masks per micro-batch, see the
-    package's notes), mean pooling and a linear classifier.
-    """
+    """A small transformer encoder that classifies token sequences: token and
+    position embeddings, ``n_layers`` pre-norm encoder layers without dropout
+    (it draws its masks per micro-batch), mean pooling, a linear classifier."""
 
     def __init__(self, vocab_size=64, seq_len=32, d_model=64, n_heads=4,
                  d_ff=128, n_layers=2, n_out=2, dtype=torch.float32):
@@ -106,13 +103,10 @@ def make_workload(name, cfg, n=None, dtype=torch.float32):
 
 
 class FAQRecipeNet(NeuralNetClassifier):
-    """skorch's FAQ recipe for gradient accumulation, as written there.
-
-    From "How can I perform gradient accumulation with skorch?" in skorch's
-    ``docs/user/FAQ.rst``, in skorch 1.x's ``train_step(self, batch)``
-    signature, exactly as skorch's own test ``test_gradient_accumulation``
-    writes it. Nothing else is changed or fixed.
-    """
+    """skorch's FAQ recipe for gradient accumulation ("How can I perform
+    gradient accumulation with skorch?"), in skorch 1.x's ``train_step``
+    signature, exactly as skorch's test ``test_gradient_accumulation`` writes
+    it. Nothing else is changed or fixed."""
 
     def __init__(self, *args, acc_steps=2, **kwargs):
         super().__init__(*args, **kwargs)
@@ -140,17 +134,15 @@ class AccelerateNet(AccelerateMixin, NeuralNetClassifier):
 def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
              max_epochs=1, **kwargs):
     """Build one skorch contender: ``kind`` is ``'plain'`` (at ``batch_size``:
-    pass ``B * k`` for the large batch), ``'gradacc'``, ``'faq'``, ``'naive'``
-    or ``'accelerate'``. Build an ``'accelerate'`` net right before it
-    trains: all ``Accelerator`` objects of a process share
-    ``gradient_accumulation_steps``, and the last one created sets it.
-    """
-    params = dict(criterion=torch.nn.CrossEntropyLoss,
-                  optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=lr,
-                  max_epochs=max_epochs, batch_size=batch_size,
-                  train_split=None, iterator_train__shuffle=True, verbose=0)
-    params.update({'module__' + key: value
-                   for key, value in module_kwargs.items()})
+    pass ``B * k`` for the large batch), ``'gradacc'``, ``'faq'``, ``'naive'`` or
+    ``'accelerate'``. Build an ``'accelerate'`` net right before it trains: all
+    ``Accelerator`` objects of a process share ``gradient_accumulation_steps``,
+    and the last one created sets it."""
+    params = dict(criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.SGD,
+                  optimizer__momentum=0.9, lr=lr, max_epochs=max_epochs,
+                  batch_size=batch_size, train_split=None,
+                  iterator_train__shuffle=True, verbose=0)
+    params.update({'module__' + key: value for key, value in module_kwargs.items()})
     params.update(kwargs)
     if kind == 'accelerate':
         from accelerate import Accelerator
@@ -170,25 +162,23 @@ def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
 class HandLoop:
     """A hand-written PyTorch training loop with ``loss / k`` accumulation.
 
-    The loop everyone writes (and Accelerate's documentation shows): backward
-    on ``loss / acc_steps``, step every ``acc_steps`` micro-batches and after
-    the last one; no logging, callbacks or history: the floor for the time
-    an epoch can take. ``loader`` yields micro-batches ``(X, y)`` of
-    tensors; a skorch net's iterator measures skorch's data path alone.
+    The loop everyone writes (and Accelerate's documentation shows): backward on
+    ``loss / acc_steps``, step every ``acc_steps`` micro-batches and after the
+    last one; no logging, callbacks or history: the floor for the time an epoch
+    can take. ``loader`` yields micro-batches ``(X, y)`` of tensors; a skorch
+    net's iterator measures skorch's data path alone.
     """
 
     def __init__(self, module, loader, acc_steps, lr=0.05):
         self.module, self.loader, self.acc_steps = module, loader, acc_steps
         self.criterion = torch.nn.CrossEntropyLoss()
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr,
-                                         momentum=0.9)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
 
     @classmethod
-    def from_arrays(cls, module, X, y, batch_size, acc_steps, lr=0.05):
-        dataset = torch.utils.data.TensorDataset(torch.as_tensor(X),
-                                                 torch.as_tensor(y))
+    def from_arrays(cls, module, X, y, batch_size, acc_steps):
+        dataset = torch.utils.data.TensorDataset(torch.as_tensor(X), torch.as_tensor(y))
         return cls(module, torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, shuffle=True), acc_steps, lr=lr)
+            dataset, batch_size=batch_size, shuffle=True), acc_steps)
 
     def epoch(self):
         self.module.train()
@@ -202,14 +192,12 @@ class HandLoop:
 
 
 class AccumGradLoop(HandLoop):
-    """The same loop with :class:`skorch_gradacc.AccumGrad`, no ``loss / k``.
+    """The same loop with :class:`skorch_gradacc.AccumGrad`, no ``loss / k``:
+    each micro-batch's rows are counted (``set_count``), so a short last
+    micro-batch weighs what it holds, and the last partial group is flushed."""
 
-    Each micro-batch's rows are counted (``set_count``), so a short last
-    micro-batch weighs what it holds, and the last partial group is flushed.
-    """
-
-    def __init__(self, module, loader, acc_steps, lr=0.05):
-        super().__init__(module, loader, acc_steps, lr=lr)
+    def __init__(self, module, loader, acc_steps):
+        super().__init__(module, loader, acc_steps)
         self.optimizer = AccumGrad(self.optimizer, acc_steps)
 
     def epoch(self):
