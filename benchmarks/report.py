@@ -275,27 +275,28 @@ PLOT_CONTENDERS = {'gradacc': 'GradAcc (B, k)', 'gradacc_k1': 'GradAcc (B, 1)',
 
 
 def _bars(ax, groups, series, value, horizontal=False, spread=None):
-    """Grouped bars: for each of ``series`` (key: label), one bar per group
-    (key: label) of height ``value(group, series)``; ``spread(group,
-    series)`` gives its (min, max) error bar."""
-    x = np.arange(len(groups))
-    width = 0.8 / len(series)
+    """Grouped bars: for each of ``series`` (key: label), one bar per group (key:
+    label) of height ``value(group, series)``; ``spread(group, series)`` gives
+    its (min, max) error bar."""
+    x, width = np.arange(len(groups)), 0.8 / len(series)
     for i, (key, label) in enumerate(series.items()):
         heights = np.array([value(group, key) for group in groups])
         err = None
         if spread:
             low, high = np.array([spread(group, key) for group in groups]).T
             err = [heights - low, high - heights]
-        draw = ax.barh if horizontal else ax.bar
-        draw(x + i * width, heights, width, label=label,
-             **{'xerr' if horizontal else 'yerr': err, 'capsize': 2})
-    ticks = getattr(ax, 'set_yticks' if horizontal else 'set_xticks')
+        (ax.barh if horizontal else ax.bar)(
+            x + i * width, heights, width, label=label,
+            **{'xerr' if horizontal else 'yerr': err, 'capsize': 2})
+    ticks = ax.set_yticks if horizontal else ax.set_xticks
     ticks(x + width * (len(series) - 1) / 2, list(groups.values()), fontsize=8)
     ax.legend(fontsize=8)
 
 
 def _plot_overhead(ax, overhead):
-    ratio = lambda c, m: overhead[m]['ratios']['cpu']['plain_B'][c]  # noqa: E731
+    def ratio(c, m):
+        return overhead[m]['ratios']['cpu']['plain_B'][c]
+
     _bars(ax, PLOT_CONTENDERS, {m: LABELS[m] for m in overhead},
           lambda c, m: ratio(c, m)['median'], horizontal=True,
           spread=lambda c, m: (ratio(c, m)['min'], ratio(c, m)['max']))
@@ -335,8 +336,7 @@ def _plot_rss(ax, memory):
     entries = {(m, k): e for m, by_k in memory['rss'][malloc].items()
                for k, e in by_k.items()}
     _bars(ax, {key: '{}\nk={}'.format(LABELS[key[0]], key[1]) for key in entries},
-          dict(zip(RSS_CONTENDERS, ('plain B', 'FAQ recipe', 'GradAcc',
-                                    'plain B*k'))),
+          dict(zip(RSS_CONTENDERS, ('plain B', 'FAQ recipe', 'GradAcc', 'plain B*k'))),
           lambda key, label: entries[key]['train_kib_vs_plain_B'][label])
     ax.axhline(MEMORY_TARGET, color='r', ls='--', lw=0.8)
     ax.set(yscale='log', ylabel='peak RSS growth / plain B (red: target 1.10)',
@@ -362,9 +362,8 @@ def _plot_scaling_k(ax, scaling):
     ax.plot(entry['ks'], entry['ks'], 'k--', lw=0.8, label='linear')
     ax.set_xscale('log', base=2)
     ax.set_yscale('log', base=2)
-    ax.set(xlabel='k (micro-batches per step)',
-           ylabel='CPU time per optimizer step / k=1',
-           title='Cost per optimizer step as k grows')
+    ax.set(xlabel='k (micro-batches per step)', ylabel='CPU time per optimizer step / '
+           'k=1', title='Cost per optimizer step as k grows')
     ax.legend(fontsize=8)
 
 
@@ -372,11 +371,10 @@ def _plot_scaling_data(ax, scaling):
     data = scaling['by_data']
     ns = np.array(data['ns'])
     for kind, name in (('gradacc', 'GradAcc (B, k)'), ('plain_B', 'plain B')):
-        epochs = np.array([[e['median'], e['min'], e['max']]
-                           for e in data[kind]['epoch_cpu_s']]).T * 1e3
-        line = ax.errorbar(ns, epochs[0], yerr=[epochs[0] - epochs[1],
-                                                epochs[2] - epochs[0]],
-                           fmt='o', capsize=2, label=name)
+        median, low, high = np.array([[e['median'], e['min'], e['max']]
+                                      for e in data[kind]['epoch_cpu_s']]).T * 1e3
+        line = ax.errorbar(ns, median, yerr=[median - low, high - median], fmt='o',
+                           capsize=2, label=name)
         fit = data[kind]['fit']
         ax.plot(ns, 1e3 * (fit['slope'] * ns + fit['intercept']), '-',
                 color=line[0].get_color(), lw=0.8)
@@ -388,15 +386,15 @@ def _plot_scaling_data(ax, scaling):
 
 def _plot_targets(ax, results):
     meta = results['meta']
-    lines = (['QUICK SMOKE RUN'] if results.get('quick') else []) + [
-        'Targets'] + ['{} {}'.format('met ' if t['met'] else 'MISS', t['id'])
-                      for t in results['targets']] + [
+    lines = (['QUICK SMOKE RUN'] if results.get('quick') else []) + ['Targets'] + [
+        '{} {}'.format('met ' if t['met'] else 'MISS', t['id'])
+        for t in results['targets']] + [
         '', meta['cpu'], '{} cores, torch threads {}'.format(
             meta['cpu_count'], meta['torch_threads']), meta['date'],
         'commit {}'.format(meta['git_commit'])]
     ax.axis('off')
-    ax.text(0.02, 0.98, '\n'.join(lines), va='top', family='monospace',
-            fontsize=9, transform=ax.transAxes)
+    ax.text(0.02, 0.98, '\n'.join(lines), va='top', family='monospace', fontsize=9,
+            transform=ax.transAxes)
 
 
 def plot(results, path):
