@@ -1,20 +1,17 @@
 """Per-rank memory of FSDP2 against DDP, where the model's state dominates.
 
-Usage, from the repository root::
-
     python -m benchmarks.fsdp_memory --out benchmark_results
 
-Each configuration runs on 2 gloo ranks (``harness.torchrun``), each with
-the mmap threshold fixed: ``ddp`` (``DistributedGradAccMixin``), ``fsdp``
-(``FullyShardedGradAccMixin``, one reduce-scatter per step) and
-``fsdp_each`` (``sync_each_batch=True``). The model, 16 ``Linear(1024,
-1024)`` layers (64 MiB in float32) trained with Adam on micro-batches of 8
-rows, ``acc_steps=4``, makes parameters, gradients and optimizer state
-dominate. After warming up torch, each rank reports in MiB over the RSS
-before initialization: the peak while the net initializes (every rank
-builds the whole module before sharding it), the RSS after it, the peak
-during one epoch (the figure to compare) and the RSS after it. Writes
-``fsdp_memory.json`` and ``fsdp_memory.csv``.
+Each configuration runs on 2 gloo ranks (``harness.torchrun``, the mmap threshold
+fixed): ``ddp`` (``DistributedGradAccMixin``), ``fsdp``
+(``FullyShardedGradAccMixin``, one reduce-scatter per step) and ``fsdp_each``
+(``sync_each_batch=True``). An MLP of 16 ``Linear(1024, 1024)`` layers trained
+with Adam on micro-batches of 8 rows, ``acc_steps=4``, makes parameters,
+gradients and optimizer state dominate. Each rank reports in MiB over the RSS
+before initialization: the peak while the net initializes (every rank builds the
+whole module before sharding it), the RSS after it, the peak during one epoch
+(the figure to compare) and the RSS after it. Writes ``fsdp_memory.json`` and
+``fsdp_memory.csv``.
 """
 
 import sys
@@ -22,16 +19,14 @@ import sys
 from benchmarks import harness
 from benchmarks.workloads import mlp
 
-__all__ = ['CONFIGS', 'main']
-
 CONFIGS = ('ddp', 'fsdp', 'fsdp_each')
 WIDTH, DEPTH, ROWS, BATCH_SIZE, ACC_STEPS = 1024, 16, 256, 8, 4
 COLUMNS = ('init_peak', 'after_init', 'train_peak', 'after_train')
 
 
 def rank(config):
-    """One rank of a configuration (under :func:`harness.torchrun`): its
-    figures in MiB."""
+    """One rank of a configuration (under :func:`harness.torchrun`): its figures
+    in MiB."""
     import torch
 
     from skorch_gradacc import (
@@ -40,7 +35,7 @@ def rank(config):
         GradAccNeuralNetClassifier,
     )
 
-    warm = torch.nn.Linear(4, 4)
+    warm = torch.nn.Linear(4, 4)  # torch's one-time costs
     warm(torch.randn(2, 4)).sum().backward()
     torch.distributed.all_reduce(torch.ones(1))
     del warm
@@ -48,19 +43,16 @@ def rank(config):
     X = torch.randn(ROWS, WIDTH, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)
     mixin = DistributedGradAccMixin if config == 'ddp' else FullyShardedGradAccMixin
-    kwargs = {'sync_each_batch': True} if config == 'fsdp_each' else {}
     torch.manual_seed(0)
     net = type('Net', (mixin, GradAccNeuralNetClassifier), {})(
         mlp, module__n_in=WIDTH, module__n_hidden=WIDTH, module__n_layers=DEPTH,
-        criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam,
-        lr=1e-4, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1,
-        train_split=None, verbose=0, **kwargs)
+        criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam, lr=1e-4,
+        batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1, train_split=None,
+        verbose=0, **({'sync_each_batch': True} if config == 'fsdp_each' else {}))
     init_peak, after_init, _ = harness.peak_growth_kib(net.initialize)
-    train_peak, after_train, _ = harness.peak_growth_kib(
-        lambda: net.partial_fit(X, y))
+    train_peak, after_train, _ = harness.peak_growth_kib(lambda: net.partial_fit(X, y))
     # over the RSS before initialization
-    figures = [init_peak, after_init, after_init + train_peak,
-               after_init + after_train]
+    figures = [init_peak, after_init, after_init + train_peak, after_init + after_train]
     return {column: kib / 1024 for column, kib in zip(COLUMNS, figures)}
 
 
@@ -82,8 +74,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     results = {'meta': harness.provenance('benchmarks.fsdp_memory', argv)}
-    results.update({config: harness.torchrun(rank, config)
-                    for config in CONFIGS})
+    results.update({config: harness.torchrun(rank, config) for config in CONFIGS})
     harness.save(args.out, 'fsdp_memory', results, **tables(results))
     return 0
 

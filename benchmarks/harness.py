@@ -36,10 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ['fresh_process', 'interleave', 'markdown_table', 'parser',
-           'peak_growth_kib', 'prepare_process', 'provenance', 'save', 'summary',
-           'torchrun', 'train_peak_kib']
-
 
 def summary(values):
     """Median, min and max of a list of numbers (and the numbers)."""

@@ -7,8 +7,6 @@ import numpy as np
 from benchmarks.harness import markdown_table
 from benchmarks.suite import CONTENDERS, RSS_CONTENDERS
 
-__all__ = ['evaluate_targets', 'markdown', 'plot']
-
 OVERHEAD_TARGET, MEMORY_TARGET, EXACT_TARGET, LINEAR_R2 = 1.03, 1.10, 1e-10, 0.99
 LABELS = {'mlp': 'MLP', 'cnn': 'CNN', 'transformer': 'Transformer'}
 RECIPES = {'gradacc': 'GradAcc', 'faq': 'FAQ recipe',

@@ -22,8 +22,6 @@ import torch
 
 from benchmarks import harness, report, suite
 
-__all__ = ['FULL', 'QUICK', 'main']
-
 SECTIONS = ('overhead', 'memory', 'exactness', 'scaling', 'profile')
 
 #: Sizes of the full run: the keyword arguments of each section's function in

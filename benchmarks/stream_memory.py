@@ -37,8 +37,6 @@ from benchmarks import harness
 from benchmarks.workloads import mlp
 from skorch_gradacc import GradAccNeuralNet
 
-__all__ = ['MODELS', 'build', 'make_net', 'measure', 'main']
-
 #: name: (B, k, rows)
 MODELS = {'lm_tokens': (8, 32, 512), 'lm_last': (8, 32, 512),
           'mlp_4096': (256, 16, 8192), 'mlp_10': (256, 16, 8192),

@@ -20,9 +20,6 @@ from benchmarks.workloads import (
 from skorch_gradacc.activation_memory import track_activation_memory
 from skorch_gradacc.demo import max_param_diff
 
-__all__ = ['CONTENDERS', 'RSS_CONTENDERS', 'exactness', 'memory', 'overhead',
-           'profile', 'scaling']
-
 CONTENDERS = {
     'plain_B': 'skorch `NeuralNetClassifier(batch_size=B)`',
     'plain_B_again': 'the same net again (A/A control: the noise floor)',

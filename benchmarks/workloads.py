@@ -18,9 +18,6 @@ from skorch.hf import AccelerateMixin
 from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
 from skorch_gradacc.demo import NaiveDivideByK
 
-__all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_net',
-           'make_workload']
-
 
 def mlp(n_in=64, n_hidden=256, n_out=10, n_layers=2, dtype=torch.float32):
     """An MLP: ``n_layers`` hidden ReLU layers, logits out."""
