@@ -2,14 +2,13 @@
 
     python -m benchmarks.sharded_validation --out benchmark_results
 
-runs :func:`time_validation` under ``torchrun`` (:func:`benchmarks.harness.torchrun`)
-with 1 and then 2 ranks, one torch thread each; every rank times a
-validation epoch (the median of 5) of a ``DistributedGradAccMixin`` net on
-4096 rows, whose batches the ranks share
-(:mod:`skorch_gradacc.sharded_evaluation`). It prints the times, their
-ratio and rank 0's CPU time (the work it does, whatever the load), and
-saves them as ``sharded_validation.json``. Expected on two free cores:
-about 0.5x, plus the gathering of the outputs.
+runs :func:`time_validation` under ``torchrun`` with 1 and then 2 ranks, one
+torch thread each: every rank times a validation epoch (the median of 5) of a
+``DistributedGradAccMixin`` net on 4096 rows, whose batches the ranks share
+(:mod:`skorch_gradacc.sharded_evaluation`). Prints and saves
+(``sharded_validation.json``) the times, their ratio and rank 0's CPU time (the
+work it does, whatever the load). Expected on two free cores: about 0.5x, plus
+the gathering of the outputs.
 """
 
 import os
@@ -30,17 +29,14 @@ def time_validation():
     import torch.distributed as dist
     from skorch.dataset import Dataset
 
-    from skorch_gradacc import GradAccNeuralNetClassifier
-    from skorch_gradacc.distributed import DistributedGradAccMixin
-
-    class DDPNet(DistributedGradAccMixin, GradAccNeuralNetClassifier):
-        pass
+    from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetClassifier
 
     torch.manual_seed(0)
     X = torch.randn(N_ROWS, N_FEATURES)
     y = torch.randint(0, 10, (N_ROWS,))
     module = torch.nn.Sequential(mlp(N_FEATURES, 2048), torch.nn.Softmax(-1))
-    net = DDPNet(module, batch_size=BATCH_SIZE, verbose=0).initialize()
+    net = type('DDPNet', (DistributedGradAccMixin, GradAccNeuralNetClassifier), {})(
+        module, batch_size=BATCH_SIZE, verbose=0).initialize()
     iterator = net.get_iterator(Dataset(X, y), training=False)
     times, cpu_times = [], []
     for _ in range(REPEATS):
