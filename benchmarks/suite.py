@@ -1,22 +1,15 @@
-"""The sections of ``benchmarks.run``: :func:`overhead`, :func:`memory`,
-:func:`exactness`, :func:`scaling` and :func:`profile`; each returns a
-JSON-able dict. How to read each is said where it is shown, in
-``benchmarks.md`` (:mod:`benchmarks.report`)."""
+"""The sections of ``benchmarks.run``, each a function that returns a JSON-able
+dict; ``benchmarks.md`` (:mod:`benchmarks.report`) says how to read each."""
 
 import cProfile
 import functools
 import pstats
 
-import numpy as np
+import scipy.stats
 import torch
 
 from benchmarks.harness import fresh_process, interleave, summary, train_peak_kib
-from benchmarks.workloads import (
-    AccumGradLoop,
-    HandLoop,
-    make_net,
-    make_workload,
-)
+from benchmarks.workloads import AccumGradLoop, HandLoop, make_net, make_workload
 from skorch_gradacc.activation_memory import track_activation_memory
 from skorch_gradacc.demo import max_param_diff
 
@@ -43,11 +36,8 @@ def _epoch(kind, module, module_kwargs, B, k, X, y, **kwargs):
 
 def _linear_fit(x, y):
     """Least-squares line through ``(x, y)``: slope, intercept and R^2."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    slope, intercept = np.polyfit(x, y, 1)
-    total = ((y - y.mean()) ** 2).sum()
-    r2 = 1.0 - ((y - slope * x - intercept) ** 2).sum() / total if total else 1.0
-    return {'slope': float(slope), 'intercept': float(intercept), 'r2': float(r2)}
+    fit = scipy.stats.linregress(x, y)
+    return {'slope': fit.slope, 'intercept': fit.intercept, 'r2': fit.rvalue ** 2}
 
 
 def overhead(models, rounds, warmup=1):
