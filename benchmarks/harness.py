@@ -1,20 +1,16 @@
 """How every benchmark measures: time, peak RSS, and where a run came from.
 
-* **Time** (:func:`interleave`): the contenders take turns, round after round, in
-  an order rotated from round to round, and ratios are taken within a round, so
-  that a slow phase of a shared machine slows both sides of a ratio.
-* **Peak RSS** (:func:`fresh_process`, :func:`torchrun`, :func:`peak_growth_kib`):
-  a measurement runs in a fresh process (forked from a server that has imported
-  torch and skorch but run nothing, or a ``torchrun`` rank). With
-  ``malloc='fixed'``, glibc ``mmap`` s every block of 64 KiB or more and returns
-  it on ``free`` (``MALLOC_MMAP_THRESHOLD_=65536`` set by ``mallopt``), so that
-  peak RSS follows the memory in use; ``'default'`` keeps glibc's settings,
-  where freed memory stays in the heap and fragments. torch's one-time costs are
-  paid first on a copy of the module, then the kernel's peak counter is reset
-  (``/proc/self/clear_refs``) and the growth of the peak (``VmHWM``) over the RSS
-  just before is what the work took. Linux only.
-* **Provenance** (:func:`provenance`): the command, the commit, whether the
-  package differs from it, the machine and the versions, saved with every result.
+* **Time** (:func:`interleave`): the contenders take turns in an order rotated
+  from round to round, and ratios are taken within a round, so that a slow phase
+  of a shared machine slows both sides of a ratio.
+* **Peak RSS** (:func:`fresh_process`, :func:`torchrun`): each measurement in a
+  fresh process. With ``malloc='fixed'``, glibc ``mmap`` s every block of 64 KiB
+  or more and returns it on ``free`` (``MALLOC_MMAP_THRESHOLD_=65536``), so that
+  peak RSS follows the memory in use; ``'default'`` keeps glibc's settings, where
+  freed memory stays in the heap. torch's one-time costs are paid first, then the
+  kernel's peak counter is reset (``/proc/self/clear_refs``) and the growth of the
+  peak (``VmHWM``) over the RSS just before is what the work took. Linux only.
+* **Provenance** (:func:`provenance`): command, commit, machine and versions.
 """
 
 import argparse
@@ -54,10 +50,8 @@ def markdown_table(header, rows):
 
 def interleave(contenders, rounds, warmup=1):
     """Time each callable of ``contenders`` (name: callable) once per round,
-    after ``warmup`` untimed rounds; return ``{'cpu': ..., 'wall': ...}``, each
-    mapping a name to its durations in seconds, the i-th of every list from the
-    same round. CPU time is the process's own, which other processes disturb
-    much less than wall time."""
+    after ``warmup`` untimed rounds: ``{'cpu': {name: seconds per round}, 'wall':
+    ...}``. CPU time is the process's own, which other processes disturb less."""
     names = list(contenders)
     times = {clock: {name: [] for name in names} for clock in ('cpu', 'wall')}
     # collect before each timed run, and freeze what exists now so that
@@ -99,9 +93,8 @@ def peak_growth_kib(work):
 
 
 def train_peak_kib(net, X, y):
-    """Peak RSS growth (KiB) of one ``net.partial_fit(X, y)``, after paying
-    torch's one-time costs (kernels, the autograd engine) on a copy of the
-    module, alike for every configuration."""
+    """Peak RSS growth (KiB) of one ``net.partial_fit(X, y)``, after torch's
+    one-time costs (kernels, autograd) are paid on a copy of the module."""
     import torch
 
     warm = copy.deepcopy(net.module_)
@@ -126,8 +119,7 @@ def _child(function, args, malloc, conn):
 
 
 def fresh_process(function, *args, malloc='fixed', timeout=600):
-    """Return ``function(*args)``, called in a fresh process (see above);
-    ``function`` is a module-level function of an importable module."""
+    """``function(*args)`` (module-level) called in a fresh process."""
     context = multiprocessing.get_context('forkserver')
     # torch._dynamo: the first optimizer imports it, which takes seconds
     context.set_forkserver_preload(['torch', 'torch._dynamo', 'skorch', 'sklearn',
@@ -149,9 +141,8 @@ def fresh_process(function, *args, malloc='fixed', timeout=600):
 
 
 def torchrun(function, *args, nproc=2, malloc='fixed', timeout=600):
-    """Return each rank's ``function(*args)`` (a list), called on ``nproc`` gloo
-    ranks started by ``torchrun``, each prepared as in :func:`fresh_process`;
-    ``function`` is module-level, its arguments and result JSON-able."""
+    """Each rank's ``function(*args)`` (a list), on ``nproc`` gloo ranks started
+    by ``torchrun``; ``function`` is module-level, its arguments and result JSON."""
     module = function.__module__
     if module == '__main__':  # run as ``python -m module``
         module = sys.modules['__main__'].__spec__.name
@@ -223,8 +214,7 @@ def provenance(module, argv):
 
 
 def parser(module, description):
-    """The command line of ``python -m module``, with the ``--out`` folder that
-    every benchmark takes."""
+    """The command line of ``python -m module``, with the ``--out`` folder."""
     parser = argparse.ArgumentParser(prog='python -m ' + module,
                                      description=description)
     parser.add_argument('--out', default='benchmark_results', metavar='DIR',
@@ -234,9 +224,8 @@ def parser(module, description):
 
 
 def save(out, name, results, markdown=None, **tables):
-    """Write ``name.json`` (``results``), ``name.md`` (``markdown``, if given)
-    and each table (rows, the header first) as ``KEY.csv`` into the folder
-    ``out``; print and return the paths."""
+    """Write ``name.json`` (``results``), ``name.md`` (``markdown``) and each
+    table (rows, header first) as ``KEY.csv`` into ``out``; print the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / (name + '.json')]

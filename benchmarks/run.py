@@ -1,15 +1,10 @@
 """Run the benchmarks and write JSON, Markdown and a PNG plot.
 
-Usage, from the repository root::
-
     python -m benchmarks.run --out benchmark_results
 
-``--quick`` runs everything at tiny sizes in well under a minute (a smoke
-test, not a measurement); ``--sections`` runs only the sections named. It
-writes ``benchmarks.json`` (all numbers, every round, and the run's
-provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png`` (the
-plots) into ``--out``. ``docs/benchmarks.rst`` says how long the committed
-run took.
+``--quick``: tiny sizes, a smoke run of well under a minute; ``--sections``: only
+the sections named. Writes ``benchmarks.json`` (every number, every round, the
+run's provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png``.
 """
 
 import copy
