@@ -240,26 +240,24 @@ def markdown(results):
         '- command: `{}`'.format(meta['command'].strip()),
         '- date: {}, commit {}'.format(meta['date'], meta['git_commit']),
         '- machine: {}, {} cores, torch threads: {}; {}'.format(
-            meta['cpu'], meta['cpu_count'], meta['torch_threads'],
-            meta['platform']),
+            meta['cpu'], meta['cpu_count'], meta['torch_threads'], meta['platform']),
         '- load average (1, 5, 15 min) at start: {}, at end: {}'.format(*(
             ', '.join('{:.1f}'.format(x) for x in meta[key])
             for key in ('load_average_start', 'load_average_end'))),
         '- versions: Python {}, {}'.format(meta['python'], ', '.join(
             '{} {}'.format(*item) for item in meta['versions'].items())),
-        '- skorch_gradacc imported from `{}`; modified since the commit: '
-        '{}'.format(meta['skorch_gradacc']['path'], {
-            True: '**yes**', False: 'no', None: 'unknown'}[
+        '- skorch_gradacc imported from `{}`; modified since the commit: {}'.format(
+            meta['skorch_gradacc']['path'], {True: '**yes**', False: 'no',
+                                             None: 'unknown'}[
                 meta['skorch_gradacc']['modified']]),
         '- section run times: {}'.format(', '.join(
             '{} {:.0f} s'.format(*item) for item in results['seconds'].items())),
-        '', '## Targets', '',
-        markdown_table(['target', 'measured', 'met'],
-               [[t['target'], t['measured'], 'yes' if t['met'] else '**no**']
-                for t in results['targets']])]
-    for section, render in (('overhead', _md_overhead),
-                            ('profile', _md_profile), ('memory', _md_memory),
-                            ('exactness', _md_exactness),
+        '', '## Targets', '', markdown_table(
+            ['target', 'measured', 'met'],
+            [[t['target'], t['measured'], 'yes' if t['met'] else '**no**']
+             for t in results['targets']])]
+    for section, render in (('overhead', _md_overhead), ('profile', _md_profile),
+                            ('memory', _md_memory), ('exactness', _md_exactness),
                             ('scaling', _md_scaling)):
         if results.get(section):
             out += render(results[section])
