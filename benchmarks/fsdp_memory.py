@@ -2,16 +2,13 @@
 
     python -m benchmarks.fsdp_memory --out benchmark_results
 
-Each configuration runs on 2 gloo ranks (``harness.torchrun``, the mmap threshold
-fixed): ``ddp`` (``DistributedGradAccMixin``), ``fsdp``
-(``FullyShardedGradAccMixin``, one reduce-scatter per step) and ``fsdp_each``
-(``sync_each_batch=True``). An MLP of 16 ``Linear(1024, 1024)`` layers trained
-with Adam on micro-batches of 8 rows, ``acc_steps=4``, makes parameters,
-gradients and optimizer state dominate. Each rank reports in MiB over the RSS
-before initialization: the peak while the net initializes (every rank builds the
-whole module before sharding it), the RSS after it, the peak during one epoch
-(the figure to compare) and the RSS after it. Writes ``fsdp_memory.json`` and
-``fsdp_memory.csv``.
+On 2 gloo ranks (``harness.torchrun``): ``ddp`` (``DistributedGradAccMixin``),
+``fsdp`` (``FullyShardedGradAccMixin``) and ``fsdp_each``
+(``sync_each_batch=True``), on an MLP of 16 ``Linear(1024, 1024)`` layers trained
+with Adam, ``acc_steps=4``. Each rank reports in MiB over the RSS before
+initialization: the peak while the net initializes (every rank builds the whole
+module before sharding it), the RSS after it, the peak of one epoch (the figure to
+compare) and the RSS after it. Writes ``fsdp_memory.json`` and ``.csv``.
 """
 
 import sys

@@ -2,13 +2,11 @@
 
     python -m benchmarks.sharded_validation --out benchmark_results
 
-runs :func:`time_validation` under ``torchrun`` with 1 and then 2 ranks, one
-torch thread each: every rank times a validation epoch (the median of 5) of a
+Each rank times a validation epoch (the median of 5) of a
 ``DistributedGradAccMixin`` net on 4096 rows, whose batches the ranks share
-(:mod:`skorch_gradacc.sharded_evaluation`). Prints and saves
-(``sharded_validation.json``) the times, their ratio and rank 0's CPU time (the
-work it does, whatever the load). Expected on two free cores: about 0.5x, plus
-the gathering of the outputs.
+(:mod:`skorch_gradacc.sharded_evaluation`), one torch thread each. Saves
+``sharded_validation.json``: the times, their ratio and rank 0's CPU time (its
+work, whatever the load). Expected on two free cores: about 0.5x, plus gathering.
 """
 
 import os

@@ -1,29 +1,18 @@
 """Peak memory of ``fit`` where the outputs or the inputs are large.
 
-Usage, from the repository root::
-
     python -m benchmarks.stream_memory --sweep --out benchmark_results
 
-Each configuration trains one epoch in a fresh process with the mmap threshold
-fixed, and reports its peak RSS growth (``benchmarks.harness``). The models,
-each as plain skorch at the micro-batch ``B``, ``GradAccNeuralNet(B, k)`` and
-plain skorch at ``B * k``:
-
-* ``lm_tokens``: a language model's head, Embedding -> Linear to a 2,000-word
-  vocabulary over 64 tokens; the logits (B, 64, 2000) are the largest tensor;
-  token-level cross-entropy.
-* ``lm_last``: the same head, returning only the last position's logits, a view
-  that keeps the whole logits tensor alive if it is kept.
-* ``mlp_4096``: an MLP with a 4,096-class head; ``mlp_10``: with a 10-class head.
-* ``images``: 3x128x128 images that the model pools at once: the inputs dominate.
-* ``lm_train_acc``: ``lm_tokens`` with skorch's standard way to log the training
-  accuracy, ``EpochScoring(token_accuracy, on_train=True)`` with caching. Plain
-  skorch caches every batch's logits for the epoch's score; the GradAcc net must
-  cache the same, and no more.
-
-``--sweep`` also measures ``lm_tokens`` for ``acc_steps`` from 1 to 32 at a fixed
-micro-batch. Writes ``stream_memory.json`` and the tables as CSV
-(``stream_memory.csv``, ``stream_memory_sweep.csv``), which the docs show.
+Peak RSS growth of one epoch in a fresh process (``benchmarks.harness``) of plain
+skorch at the micro-batch ``B``, ``GradAccNeuralNet(B, k)`` and plain skorch at
+``B * k``, on: ``lm_tokens``, a language model's head (Embedding -> Linear to
+2,000 words over 64 tokens: the logits are the largest tensor), token-level
+cross-entropy; ``lm_last``, its last position's logits only, a view that keeps
+them all alive; ``mlp_4096`` and ``mlp_10``, MLPs with 4,096 and 10 classes;
+``images``, 3x128x128 inputs pooled at once; ``lm_train_acc``, ``lm_tokens`` with
+``EpochScoring(token_accuracy, on_train=True)``, whose cached logits the GradAcc
+net must hold as plain skorch does, and no more. ``--sweep`` adds ``lm_tokens``
+for ``acc_steps`` 1 to 32. Writes ``stream_memory.json`` and the CSV tables
+(``stream_memory.csv``, ``stream_memory_sweep.csv``) that the docs show.
 """
 
 import statistics

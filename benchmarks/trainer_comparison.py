@@ -2,15 +2,13 @@
 
     python -m benchmarks.trainer_comparison --out benchmark_results
 
-The same tiny GPT-2 (float64, no dropout), the same sequences of different
-lengths in the same order, each micro-batch padded to its own longest sequence
-(labels -100 on padding), SGD at a constant lr, no clipping. Each of four runs
-(skorch or Trainer, ``k`` micro-batches of ``B`` or one batch of ``B * k``)
-trains in a fresh process (:func:`benchmarks.harness.fresh_process`) and reports
-its time per epoch and its peak RSS above the RSS after building the model and
-data. Trainer is exact through ``compute_loss_func`` and ``num_items_in_batch``,
-the GradAcc net through its default count. Writes ``trainer_comparison.json``
-and ``trainer_comparison.md``.
+The same tiny GPT-2 (float64, no dropout) and sequences in the same order, each
+micro-batch padded to its longest sequence (labels -100 on padding), SGD at a
+constant lr. Each of four runs (skorch or Trainer, ``k`` micro-batches of ``B``
+or one batch of ``B * k``) trains in a fresh process and reports its time per
+epoch and peak RSS growth. Trainer is exact through ``compute_loss_func`` and
+``num_items_in_batch``, the GradAcc net through its default count. Writes
+``trainer_comparison.json`` and ``.md``.
 """
 
 import sys

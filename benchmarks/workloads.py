@@ -1,12 +1,10 @@
 """What the benchmarks train: three workloads and the ways to train them.
 
-The workloads are an MLP, a small CNN and a small transformer encoder, each a
-module and its data (numpy arrays; nothing is downloaded: the CNN's images are
-scikit-learn's 8x8 digits, or synthetic ones). The contenders
-(``suite.CONTENDERS`` says what each is) share SGD with momentum, shuffled data,
-no validation split and ``CrossEntropyLoss``, and differ only in how they
-accumulate. ``naive`` is ``loss / k`` with the last partial group stepped
-anyway, the rule of Lightning and most loops.
+An MLP, a small CNN (on scikit-learn's 8x8 digits, or synthetic images) and a
+small transformer encoder. The contenders (``suite.CONTENDERS``) share SGD with
+momentum, shuffled data, no validation split and ``CrossEntropyLoss``, and differ
+only in how they accumulate. ``naive`` is ``loss / k`` with the last partial
+group stepped anyway, the rule of Lightning and most loops.
 """
 
 import numpy as np
