@@ -1,2 +1,1 @@
-"""Benchmarks of skorch-gradacc (``docs/benchmarks.rst``), each a command with
-``--help``, measured with :mod:`benchmarks.harness`."""
+"""Benchmarks of skorch-gradacc, each a command (``docs/benchmarks.rst``)."""

@@ -22,8 +22,7 @@ COLUMNS = ('init_peak', 'after_init', 'train_peak', 'after_train')
 
 
 def rank(config):
-    """One rank of a configuration (under :func:`harness.torchrun`): its figures
-    in MiB."""
+    """One rank's figures (MiB) of a configuration, under ``harness.torchrun``."""
     import torch
 
     from skorch_gradacc import (

@@ -82,8 +82,8 @@ def _status_kib(field):
 
 
 def peak_growth_kib(work):
-    """Run ``work()``; return the growth of the peak RSS and of the RSS over
-    the RSS just before (KiB), and what ``work`` returned."""
+    """Run ``work()``: the growth (KiB) of the peak RSS and of the RSS, and what
+    ``work`` returned."""
     gc.collect()
     with open('/proc/self/clear_refs', 'w') as clear_refs:
         clear_refs.write('5')  # the peak starts again from the RSS now

@@ -132,10 +132,8 @@ def rss_peak(*args):
 
 
 def memory(models, ks, repeats, rss_models, rss_repeats, rss_malloc=('fixed',)):
-    """Activation memory of one group of ``B * k`` rows, GradAcc at ``(B, k)``
-    and plain at ``B * k``, for each ``k`` of ``ks`` (1 included); peak RSS of
-    the :data:`RSS_CONTENDERS` in fresh processes for each workload and ``k`` of
-    ``rss_models``, each allocator of ``rss_malloc``."""
+    """Activation memory of a group of ``B * k`` rows, GradAcc at ``(B, k)`` and
+    plain at ``B * k``, each ``k`` of ``ks``; peak RSS of the RSS_CONTENDERS."""
     activation = {}
     for name, cfg in models.items():
         B, kwargs = cfg['B'], cfg.get('module_kwargs', {})
@@ -223,9 +221,8 @@ def _exactness_one(name, cfg, epochs):
 
 
 def scaling(k_models, ks, data, rounds, warmup=1):
-    """Epoch and step time of GradAcc for each ``k`` of ``ks`` at a fixed
-    micro-batch (``k_models``); epoch time of GradAcc and plain ``B`` for each
-    size of ``data['ns']``. Each interleaved, with linear fits."""
+    """GradAcc's epoch and step time for each ``k`` of ``ks``; GradAcc's and plain
+    B's epoch time for each size of ``data['ns']``; linear fits."""
     by_k = {}
     for name, cfg in k_models.items():
         X, y, module, module_kwargs = make_workload(name, cfg)
@@ -259,8 +256,7 @@ def scaling(k_models, ks, data, rounds, warmup=1):
 
 
 def profile(name, cfg, top=15):
-    """cProfile one epoch of GradAcc at ``(B, k)``: the top functions by self
-    time."""
+    """cProfile one epoch of GradAcc: the top functions by self time."""
     X, y, module, module_kwargs = make_workload(name, cfg)
     net = make_net('gradacc', module, module_kwargs, cfg['B'], cfg['k'])
     torch.manual_seed(0)

@@ -65,10 +65,8 @@ WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
 
 
 def make_workload(name, cfg, n=None, dtype=torch.float32):
-    """Return ``(X, y, module factory, module kwargs)`` for a workload of
-    ``cfg['n']`` rows (or ``n``) and ``cfg['module_kwargs']``; ``X`` and
-    ``y`` are numpy arrays that fit the module (its ``image_size`` or
-    ``seq_len``)."""
+    """``(X, y, module factory, module kwargs)``: ``cfg['n']`` (or ``n``) rows of
+    numpy data that fit the module of ``cfg['module_kwargs']``."""
     module, kwargs = WORKLOADS[name], cfg.get('module_kwargs', {})
     n = cfg['n'] if n is None else n
     floats = np.float64 if dtype == torch.float64 else np.float32
@@ -128,11 +126,9 @@ class AccelerateNet(AccelerateMixin, NeuralNetClassifier):
 
 def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
              max_epochs=1, **kwargs):
-    """Build one skorch contender: ``kind`` is ``'plain'`` (at ``batch_size``:
-    pass ``B * k`` for the large batch), ``'gradacc'``, ``'faq'``, ``'naive'`` or
-    ``'accelerate'``. Build an ``'accelerate'`` net right before it trains: all
-    ``Accelerator`` objects of a process share ``gradient_accumulation_steps``,
-    and the last one created sets it."""
+    """A skorch contender: ``'plain'``, ``'gradacc'``, ``'faq'``, ``'naive'`` or
+    ``'accelerate'``; build the latter right before it trains: all ``Accelerator``
+    objects share ``gradient_accumulation_steps``, and the last one sets it."""
     params = dict(criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.SGD,
                   optimizer__momentum=0.9, lr=lr, max_epochs=max_epochs,
                   batch_size=batch_size, train_split=None,
@@ -155,14 +151,9 @@ def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
 
 
 class HandLoop:
-    """A hand-written PyTorch training loop with ``loss / k`` accumulation.
-
-    The loop everyone writes (and Accelerate's documentation shows): backward on
-    ``loss / acc_steps``, step every ``acc_steps`` micro-batches and after the
-    last one; no logging, callbacks or history: the floor for the time an epoch
-    can take. ``loader`` yields micro-batches ``(X, y)`` of tensors; a skorch
-    net's iterator measures skorch's data path alone.
-    """
+    """The loop everyone writes (and Accelerate's docs show): backward on ``loss
+    / k``, step every ``k`` micro-batches and after the last; no callbacks or
+    history, the floor for an epoch's time. ``loader`` yields ``(X, y)``."""
 
     def __init__(self, module, loader, acc_steps, lr=0.05):
         self.module, self.loader, self.acc_steps = module, loader, acc_steps
