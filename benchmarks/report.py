@@ -9,8 +9,7 @@ from benchmarks.suite import CONTENDERS, RSS_CONTENDERS
 
 OVERHEAD_TARGET, MEMORY_TARGET, EXACT_TARGET, LINEAR_R2 = 1.03, 1.10, 1e-10, 0.99
 LABELS = {'mlp': 'MLP', 'cnn': 'CNN', 'transformer': 'Transformer'}
-RECIPES = {'gradacc': 'GradAcc', 'faq': 'FAQ recipe',
-           'accelerate': 'AccelerateMixin',
+RECIPES = {'gradacc': 'GradAcc', 'faq': 'FAQ recipe', 'accelerate': 'AccelerateMixin',
            'naive': 'naive / k, last group flushed',
            'hand': 'hand-written loop, loss / k',
            'accumgrad': 'AccumGrad in the same loop'}

@@ -131,31 +131,26 @@ def main(argv=None):
     numbers, params = {}, {}
     for name in RUNS:
         numbers[name], state = harness.fresh_process(run, name)
-        params[name] = {key: torch.from_numpy(value)
-                        for key, value in state.items()}
-    rows = [[name, '{:.1e}'.format(max_param_diff(params[name], params[ref])),
-             ref, '{:.2f}'.format(numbers[name]['s_per_epoch']),
+        params[name] = {key: torch.from_numpy(value) for key, value in state.items()}
+    pairs = [('skorch_acc', 'skorch_large'), ('trainer_acc', 'trainer_large'),
+             ('skorch_large', 'trainer_large'), ('trainer_large', 'skorch_large')]
+    rows = [[name, '{:.1e}'.format(max_param_diff(params[name], params[ref])), ref,
+             '{:.2f}'.format(numbers[name]['s_per_epoch']),
              '{:.0f}'.format(numbers[name]['peak_rss_mib']),
              '-' if numbers[name]['check_s'] is None else '{:.3f}'.format(
-                 numbers[name]['check_s'])]
-            for name, ref in [('skorch_acc', 'skorch_large'),
-                              ('trainer_acc', 'trainer_large'),
-                              ('skorch_large', 'trainer_large'),
-                              ('trainer_large', 'skorch_large')]]
+                 numbers[name]['check_s'])] for name, ref in pairs]
     text = '\n'.join([
         '# GradAcc net and transformers Trainer: exactness, time, memory', '',
-        'Tiny GPT-2 (2 layers, 64 dims, vocab 512), float64, {} sequences of '
-        '8 to 199 tokens, micro-batch {}, k={}, {} epochs, SGD lr={}, one '
-        'thread; `python -m benchmarks.trainer_comparison`.'.format(
-            N_SEQ, B, K, EPOCHS, LR), '', harness.markdown_table(
-                ['run', 'max abs param distance', 'to', 's / epoch',
-                 'peak RSS (MiB)', 'loss check (s)'], rows),
+        'Tiny GPT-2 (2 layers, 64 dims, vocab 512), float64, {} sequences of 8 to 199 '
+        'tokens, micro-batch {}, k={}, {} epochs, SGD lr={}, one thread; `python -m '
+        'benchmarks.trainer_comparison`.'.format(N_SEQ, B, K, EPOCHS, LR), '',
+        harness.markdown_table(['run', 'max abs param distance', 'to', 's / epoch',
+                                'peak RSS (MiB)', 'loss check (s)'], rows),
         'The loss check runs once per fit: {:.1%} of one epoch here.'.format(
             numbers['skorch_acc']['check_s']
             / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
-    harness.save(args.out, 'trainer_comparison', dict(
-        numbers, provenance=harness.provenance(
-            'benchmarks.trainer_comparison', sys.argv[1:])), text)
+    meta = harness.provenance('benchmarks.trainer_comparison', sys.argv[1:])
+    harness.save(args.out, 'trainer_comparison', dict(numbers, provenance=meta), text)
 
 
 if __name__ == '__main__':
