@@ -13,8 +13,15 @@ compare) and the RSS after it. Writes ``fsdp_memory.json`` and ``.csv``.
 
 import sys
 
+import torch
+
 from benchmarks import harness
 from benchmarks.workloads import mlp
+from skorch_gradacc import (
+    DistributedGradAccMixin,
+    FullyShardedGradAccMixin,
+    GradAccNeuralNetClassifier,
+)
 
 CONFIGS = ('ddp', 'fsdp', 'fsdp_each')
 WIDTH, DEPTH, ROWS, BATCH_SIZE, ACC_STEPS = 1024, 16, 256, 8, 4
@@ -23,14 +30,6 @@ COLUMNS = ('init_peak', 'after_init', 'train_peak', 'after_train')
 
 def rank(config):
     """One rank's figures (MiB) of a configuration, under ``harness.torchrun``."""
-    import torch
-
-    from skorch_gradacc import (
-        DistributedGradAccMixin,
-        FullyShardedGradAccMixin,
-        GradAccNeuralNetClassifier,
-    )
-
     warm = torch.nn.Linear(4, 4)  # torch's one-time costs
     warm(torch.randn(2, 4)).sum().backward()
     torch.distributed.all_reduce(torch.ones(1))

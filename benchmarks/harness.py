@@ -17,9 +17,8 @@ import argparse
 import copy
 import csv
 import ctypes
-import datetime
 import gc
-import importlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -28,7 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import skorch_gradacc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,8 +100,6 @@ def peak_growth_kib(work):
 def train_peak_kib(net, X, y):
     """Peak RSS growth (KiB) of one ``net.partial_fit(X, y)``, after torch's
     one-time costs (kernels, autograd) are paid on a copy of the module."""
-    import torch
-
     warm = copy.deepcopy(net.module_)
     warm(torch.as_tensor(X[:2])).sum().backward()
     del warm
@@ -107,8 +110,6 @@ def prepare_process(malloc='fixed'):
     """One torch thread; with ``'fixed'``, glibc ``mmap`` s 64 KiB blocks."""
     if malloc == 'fixed' and not ctypes.CDLL(None).mallopt(-3, 65536):
         raise RuntimeError('mallopt(M_MMAP_THRESHOLD) failed: not glibc?')
-    import torch
-
     torch.set_num_threads(1)
 
 
@@ -161,8 +162,6 @@ def torchrun(function, *args, nproc=2, malloc='fixed', timeout=600):
 
 def _rank(module, name, malloc, args):
     """One rank of :func:`torchrun`; rank 0 prints every rank's result."""
-    import torch.distributed as dist
-
     prepare_process(malloc)
     dist.init_process_group('gloo')
     result = getattr(importlib.import_module(module), name)(*json.loads(args))
@@ -185,24 +184,17 @@ def _git(*args):
 
 def provenance(module, argv):
     """Where and from what a run came: command, commit, machine, versions."""
-    import skorch_gradacc
-
     package = Path(skorch_gradacc.__file__).parent
     changes = _git('status', '--porcelain', '--', str(package))
     cpuinfo = Path('/proc/cpuinfo')
     cpu = next((line.split(':', 1)[1].strip() for line in (
         cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
         if line.startswith('model name')), platform.processor() or 'unknown')
-    versions = {}
-    for name in ('torch', 'skorch', 'accelerate', 'numpy', 'sklearn',
-                 'skorch_gradacc'):
-        try:
-            versions[name] = importlib.import_module(name).__version__
-        except (ImportError, AttributeError):
-            versions[name] = None
+    names = ('torch', 'skorch', 'accelerate', 'numpy', 'sklearn', 'skorch_gradacc')
+    versions = {name: importlib.import_module(name).__version__
+                if importlib.util.find_spec(name) else None for name in names}
     return {
-        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec='seconds'),
+        'date': datetime.now(timezone.utc).isoformat(timespec='seconds'),
         'command': ' '.join(['python -m', module] + list(argv)),
         'git_commit': _git('rev-parse', '--short', 'HEAD'),
         'skorch_gradacc': {'path': str(package),

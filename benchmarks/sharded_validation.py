@@ -15,20 +15,18 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+from skorch.dataset import Dataset
 
 from benchmarks import harness
 from benchmarks.workloads import mlp
+from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetClassifier
 
 N_ROWS, N_FEATURES, BATCH_SIZE, REPEATS = 4096, 512, 64, 5
 
 
 def time_validation():
     """On one rank: the median wall and CPU time of a validation epoch, s."""
-    import torch.distributed as dist
-    from skorch.dataset import Dataset
-
-    from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetClassifier
-
     torch.manual_seed(0)
     X = torch.randn(N_ROWS, N_FEATURES)
     y = torch.randint(0, 10, (N_ROWS,))
