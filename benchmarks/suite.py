@@ -146,8 +146,7 @@ def memory(models, ks, repeats, rss_models, rss_repeats, rss_malloc=('fixed',)):
         for key in ('gradacc', 'plain_Bk'):
             rows[key + '_vs_plain_B'] = [entry['median'] / plain_b
                                          for entry in rows[key]]
-    return {'activation': activation,
-            'rss': _rss(rss_models, rss_repeats, rss_malloc)}
+    return {'activation': activation, 'rss': _rss(rss_models, rss_repeats, rss_malloc)}
 
 
 def _rss(rss_models, repeats, mallocs):
@@ -166,16 +165,14 @@ def _rss(rss_models, repeats, mallocs):
         entry = rss.setdefault(malloc, {}).setdefault(name, {})[str(k)] = {
             'B': cfg['B'], 'k': k, 'repeats': repeats,
             'module_kwargs': cfg.get('module_kwargs', {})}
-        for label in RSS_CONTENDERS:
-            entry[label] = {key: summary([run[key] for run in runs[
-                (malloc, name, k), label]]) for key in ('train_kib', 'activation_bytes')
-            }
         for key in ('train_kib', 'activation_bytes'):
+            for label in RSS_CONTENDERS:
+                entry.setdefault(label, {})[key] = summary(
+                    [run[key] for run in runs[(malloc, name, k), label]])
             entry[key + '_vs_plain_B'] = {
-                other: entry[other][key]['median'] / entry['plain_B'][key]['median']
-                for other in RSS_CONTENDERS}
-        # GradAcc's batches are whole groups: their inputs are in memory at
-        # once, which plain B never has
+                label: entry[label][key]['median'] / entry['plain_B'][key]['median']
+                for label in RSS_CONTENDERS}
+        # GradAcc's batches are whole groups, whose inputs plain B never holds
         X = make_workload(name, cfg, n=2)[0]
         entry['group_input_kib'] = cfg['B'] * k * X[0].nbytes / 2 ** 10
         entry['gradacc_minus_plain_B_kib'] = (entry['gradacc']['train_kib']['median']
