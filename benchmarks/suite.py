@@ -105,26 +105,14 @@ def _gap(cpu, config):
     return gap
 
 
-def _fitted(kind, model, module_kwargs, batch_size, acc_steps, n_rows):
+def epoch_peaks(kind, model, module_kwargs, batch_size, acc_steps, n_rows):
+    """Peak RSS growth (KiB: in a fresh process, ``harness.fresh_process``) and
+    peak bytes saved for backward of one epoch of ``n_rows``."""
     X, y, module, module_kwargs = make_workload(
         model, {'n': n_rows, 'module_kwargs': module_kwargs})
     net = make_net(kind, module, module_kwargs, batch_size, acc_steps)
     torch.manual_seed(0)
-    return net.initialize(), X, y
-
-
-def activation_peak(*args):
-    """Peak bytes saved for backward during one epoch (see :func:`_fitted`)."""
-    net, X, y = _fitted(*args)
-    with track_activation_memory() as meter:
-        net.partial_fit(X, y)
-    return meter.peak_bytes
-
-
-def rss_peak(*args):
-    """Peak RSS growth (KiB) and activation peak of one epoch; run it in a fresh
-    process (``harness.fresh_process``)."""
-    net, X, y = _fitted(*args)
+    net.initialize()
     # the meter only wraps what autograd saves anyway: it adds no tensors
     with track_activation_memory() as meter:
         train_kib = train_peak_kib(net, X, y)
@@ -139,9 +127,9 @@ def memory(models, ks, repeats, rss_models, rss_repeats, rss_malloc=('fixed',)):
         B, kwargs = cfg['B'], cfg.get('module_kwargs', {})
         rows = activation[name] = {'B': B, 'ks': list(ks)}
         for kind, key in (('gradacc', 'gradacc'), ('plain', 'plain_Bk')):
-            rows[key] = [summary([activation_peak(
-                kind, name, kwargs, B if kind == 'gradacc' else B * k, k, B * k)
-                for _ in range(repeats)]) for k in ks]
+            rows[key] = [summary([epoch_peaks(
+                kind, name, kwargs, B if kind == 'gradacc' else B * k, k, B * k)[
+                    'activation_bytes'] for _ in range(repeats)]) for k in ks]
         plain_b = rows['plain_Bk'][list(ks).index(1)]['median']
         for key in ('gradacc', 'plain_Bk'):
             rows[key + '_vs_plain_B'] = [entry['median'] / plain_b
@@ -157,7 +145,7 @@ def _rss(rss_models, repeats, mallocs):
         for (malloc, name, k), label in runs:
             B, kwargs = rss_models[name]['B'], rss_models[name].get('module_kwargs', {})
             runs[(malloc, name, k), label].append(fresh_process(
-                rss_peak, 'plain' if label.startswith('plain') else label, name,
+                epoch_peaks, 'plain' if label.startswith('plain') else label, name,
                 kwargs, B * k if label == 'plain_Bk' else B, k, B * k, malloc=malloc))
     rss = {}
     for malloc, name, k in cases:
