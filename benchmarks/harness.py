@@ -210,8 +210,7 @@ def parser(module, description):
     parser = argparse.ArgumentParser(prog='python -m ' + module,
                                      description=description)
     parser.add_argument('--out', default='benchmark_results', metavar='DIR',
-                        help='folder for the results (the committed run: '
-                             'benchmarks/results)')
+                        help='folder for the results (committed: benchmarks/results)')
     return parser
 
 

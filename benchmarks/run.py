@@ -1,4 +1,5 @@
-"""Run the benchmarks and write JSON, Markdown and a PNG plot.
+"""Benchmark GradAccNeuralNetClassifier against plain skorch, skorch's FAQ recipe,
+AccelerateMixin and a hand-written loop: overhead, memory, exactness and scaling.
 
     python -m benchmarks.run --out benchmark_results
 
@@ -74,10 +75,7 @@ QUICK = {
 
 
 def parse_args(argv=None):
-    parser = harness.parser('benchmarks.run', (
-        "Benchmark GradAccNeuralNetClassifier against plain skorch, skorch's FAQ "
-        'recipe, AccelerateMixin and a hand-written loop: overhead, memory, '
-        'exactness and scaling.'))
+    parser = harness.parser('benchmarks.run', __doc__.split('\n\n')[0])
     parser.add_argument('--quick', action='store_true',
                         help='tiny sizes: a smoke run, no real numbers')
     parser.add_argument('--sections', nargs='+', choices=SECTIONS, default=SECTIONS,

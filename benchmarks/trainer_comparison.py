@@ -25,15 +25,6 @@ B, K, EPOCHS, LR, N_SEQ, IGNORE = 4, 8, 2, 0.1, 256, -100
 RUNS = ['skorch_acc', 'skorch_large', 'trainer_acc', 'trainer_large']
 
 
-def make_model():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=512, n_positions=256, n_embd=64, n_layer=2,
-                        n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).double()
-
-
 def pad(sequences):
     """input_ids, attention_mask, and labels -100 on padding and position 0."""
     ids = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(s) for s in sequences],
@@ -110,9 +101,13 @@ def train_trainer(model, sequences, batch_size, acc_steps):
 def run(name):
     """One run, in this (fresh) process: its numbers and parameters."""
     import transformers.trainer  # noqa: F401, imports before the baseline
+    from transformers import GPT2Config, GPT2LMHeadModel
 
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=512, n_positions=256, n_embd=64, n_layer=2, n_head=4, embd_pdrop=0.0,
+        resid_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).double()
     rng = np.random.default_rng(0)
-    model = make_model()
     sequences = [rng.integers(1, 512, size=n) for n in rng.integers(8, 200, N_SEQ)]
     batch_size, acc_steps = (B, K) if name.endswith('_acc') else (B * K, 1)
     train = train_skorch if name.startswith('skorch') else train_trainer
