@@ -30,10 +30,8 @@ COLUMNS = ('init_peak', 'after_init', 'train_peak', 'after_train')
 
 def rank(config):
     """One rank's figures (MiB) of a configuration, under ``harness.torchrun``."""
-    warm = torch.nn.Linear(4, 4)  # torch's one-time costs
-    warm(torch.randn(2, 4)).sum().backward()
+    torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()  # one-time costs
     torch.distributed.all_reduce(torch.ones(1))
-    del warm
     generator = torch.Generator().manual_seed(0)
     X = torch.randn(ROWS, WIDTH, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)

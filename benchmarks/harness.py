@@ -100,9 +100,7 @@ def peak_growth_kib(work):
 def train_peak_kib(net, X, y):
     """Peak RSS growth (KiB) of one ``net.partial_fit(X, y)``, after torch's
     one-time costs (kernels, autograd) are paid on a copy of the module."""
-    warm = copy.deepcopy(net.module_)
-    warm(torch.as_tensor(X[:2])).sum().backward()
-    del warm
+    copy.deepcopy(net.module_)(torch.as_tensor(X[:2])).sum().backward()
     return peak_growth_kib(lambda: net.partial_fit(X, y))[0]
 
 

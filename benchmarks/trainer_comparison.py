@@ -22,7 +22,6 @@ from benchmarks import harness
 from skorch_gradacc.demo import max_param_diff
 
 B, K, EPOCHS, LR, N_SEQ, IGNORE = 4, 8, 2, 0.1, 256, -100
-RUNS = ['skorch_acc', 'skorch_large', 'trainer_acc', 'trainer_large']
 
 
 def pad(sequences):
@@ -124,7 +123,7 @@ def main(argv=None):
     args = harness.parser('benchmarks.trainer_comparison',
                           __doc__.splitlines()[0]).parse_args(argv)
     numbers, params = {}, {}
-    for name in RUNS:
+    for name in ('skorch_acc', 'skorch_large', 'trainer_acc', 'trainer_large'):
         numbers[name], state = harness.fresh_process(run, name)
         params[name] = {key: torch.from_numpy(value) for key, value in state.items()}
     pairs = [('skorch_acc', 'skorch_large'), ('trainer_acc', 'trainer_large'),
