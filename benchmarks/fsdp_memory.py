@@ -1,86 +1,52 @@
 """Per-rank memory of FSDP2 against DDP, where the model's state dominates.
 
-Usage, from the repository root::
-
     python -m benchmarks.fsdp_memory --out benchmark_results
 
-Each configuration runs on 2 gloo ranks (``harness.torchrun``), each with
-the mmap threshold fixed: ``ddp`` (``DistributedGradAccMixin``), ``fsdp``
-(``FullyShardedGradAccMixin``, one reduce-scatter per step) and
-``fsdp_each`` (``sync_each_batch=True``). The model, 16 ``Linear(1024,
-1024)`` layers (64 MiB in float32) trained with Adam on micro-batches of 8
-rows, ``acc_steps=4``, makes parameters, gradients and optimizer state
-dominate. After warming up torch, each rank reports in MiB over the RSS
-before initialization: the peak while the net initializes (every rank
-builds the whole module before sharding it), the RSS after it, the peak
-during one epoch (the figure to compare) and the RSS after it. Writes
-``fsdp_memory.json`` and ``fsdp_memory.csv``.
+On 2 gloo ranks (``harness.torchrun``): ``ddp`` (``DistributedGradAccMixin``),
+``fsdp`` (``FullyShardedGradAccMixin``) and ``fsdp_each``
+(``sync_each_batch=True``), on an MLP of 16 ``Linear(1024, 1024)`` layers trained
+with Adam, ``acc_steps=4``. Each rank reports in MiB over the RSS before
+initialization: the peak while the net initializes (every rank builds the whole
+module before sharding it), the RSS after it, the peak of one epoch (the figure to
+compare) and the RSS after it. Writes ``fsdp_memory.json`` and ``.csv``.
 """
 
-import argparse
-import json
-import os
 import sys
 
-from benchmarks import harness
+import torch
 
-__all__ = ['CONFIGS', 'main']
+from benchmarks import harness
+from benchmarks.workloads import mlp
+from skorch_gradacc import (
+    DistributedGradAccMixin,
+    FullyShardedGradAccMixin,
+    GradAccNeuralNetClassifier,
+)
 
 CONFIGS = ('ddp', 'fsdp', 'fsdp_each')
 WIDTH, DEPTH, ROWS, BATCH_SIZE, ACC_STEPS = 1024, 16, 256, 8, 4
 COLUMNS = ('init_peak', 'after_init', 'train_peak', 'after_train')
 
 
-def _mlp():
-    import torch
-
-    layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
-
-
-def _rank(config):
-    """One rank of a configuration; rank 0 prints every rank's figures."""
-    import torch
-    import torch.distributed as dist
-
-    from skorch_gradacc import (
-        DistributedGradAccMixin,
-        FullyShardedGradAccMixin,
-        GradAccNeuralNetClassifier,
-    )
-
-    harness.prepare_process('fixed')
-    dist.init_process_group('gloo')
-    warm = torch.nn.Linear(4, 4)
-    warm(torch.randn(2, 4)).sum().backward()
-    dist.all_reduce(torch.ones(1))
-    del warm
+def rank(config):
+    """One rank's figures (MiB) of a configuration, under ``harness.torchrun``."""
+    torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()  # one-time costs
+    torch.distributed.all_reduce(torch.ones(1))
     generator = torch.Generator().manual_seed(0)
     X = torch.randn(ROWS, WIDTH, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)
     mixin = DistributedGradAccMixin if config == 'ddp' else FullyShardedGradAccMixin
-    kwargs = {'sync_each_batch': True} if config == 'fsdp_each' else {}
     torch.manual_seed(0)
     net = type('Net', (mixin, GradAccNeuralNetClassifier), {})(
-        _mlp, criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam,
-        lr=1e-4, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1,
-        train_split=None, verbose=0, **kwargs)
+        mlp, module__n_in=WIDTH, module__n_hidden=WIDTH, module__n_layers=DEPTH,
+        criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam, lr=1e-4,
+        batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1, train_split=None,
+        verbose=0, **({'sync_each_batch': True} if config == 'fsdp_each' else {}))
     init_peak, after_init, _ = harness.peak_growth_kib(net.initialize)
-    train_peak, after_train, _ = harness.peak_growth_kib(
-        lambda: net.partial_fit(X, y))
+    train_peak, after_train, _ = harness.peak_growth_kib(lambda: net.partial_fit(X, y))
     # over the RSS before initialization
-    figures = [init_peak, after_init, after_init + train_peak,
-               after_init + after_train]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {column: kib / 1024 for column, kib
-                                   in zip(COLUMNS, figures)})
-    if dist.get_rank() == 0:
-        print(json.dumps(every), flush=True)
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
-    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+    figures = [init_peak, after_init, after_init + train_peak, after_init + after_train]
+    return {column: kib / 1024 for column, kib in zip(COLUMNS, figures)}
 
 
 def tables(results):
@@ -93,21 +59,16 @@ def tables(results):
 
 
 def parse_args(argv=None):
-    parser = harness.parser('benchmarks.fsdp_memory', __doc__.splitlines()[0])
-    parser.add_argument('--rank', choices=CONFIGS, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    return harness.parser('benchmarks.fsdp_memory',
+                          __doc__.splitlines()[0]).parse_args(argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.rank:
-        return _rank(args.rank)
     results = {'meta': harness.provenance('benchmarks.fsdp_memory', argv)}
-    results.update({config: harness.torchrun('benchmarks.fsdp_memory', '--rank',
-                                             config) for config in CONFIGS})
-    for path in harness.save(args.out, 'fsdp_memory', results, **tables(results)):
-        print(path.read_text() if path.suffix == '.csv' else path)
+    results.update({config: harness.torchrun(rank, config) for config in CONFIGS})
+    harness.save(args.out, 'fsdp_memory', results, **tables(results))
     return 0
 
 

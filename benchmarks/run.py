@@ -1,15 +1,11 @@
-"""Run the benchmarks and write JSON, Markdown and a PNG plot.
-
-Usage, from the repository root::
+"""Benchmark GradAccNeuralNetClassifier against plain skorch, skorch's FAQ recipe,
+AccelerateMixin and a hand-written loop: overhead, memory, exactness and scaling.
 
     python -m benchmarks.run --out benchmark_results
 
-``--quick`` runs everything at tiny sizes in well under a minute (a smoke
-test, not a measurement); ``--sections`` runs only the sections named. It
-writes ``benchmarks.json`` (all numbers, every round, and the run's
-provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png`` (the
-plots) into ``--out``. ``docs/benchmarks.rst`` says how long the committed
-run took.
+``--quick``: tiny sizes, a smoke run of well under a minute; ``--sections``: only
+the sections named. Writes ``benchmarks.json`` (every number, every round, the
+run's provenance), ``benchmarks.md`` (the tables) and ``benchmarks.png``.
 """
 
 import copy
@@ -22,60 +18,56 @@ import torch
 
 from benchmarks import harness, report, suite
 
-__all__ = ['FULL', 'QUICK', 'main']
-
 SECTIONS = ('overhead', 'memory', 'exactness', 'scaling', 'profile')
 
-#: Sizes of the full run: the keyword arguments of each section's function
-#: in :mod:`benchmarks.suite`. ``models`` are the timing workloads: ``n``
-#: rows, micro-batch ``B``, ``k`` micro-batches per step.
+#: Sizes of the full run: the keyword arguments of each section's function in
+#: :mod:`benchmarks.suite`. ``models`` are the timing workloads: ``n`` rows,
+#: micro-batch ``B``, ``k`` micro-batches per step.
 MODELS = {'mlp': {'n': 2048, 'B': 32, 'k': 8}, 'cnn': {'n': 512, 'B': 16, 'k': 8},
           'transformer': {'n': 384, 'B': 16, 'k': 8}}
+KS = [1, 2, 4, 8, 16, 32, 64]
 FULL = {
     'overhead': {'models': MODELS, 'rounds': 25, 'warmup': 1},
     'memory': {
-        'models': MODELS, 'ks': [1, 2, 4, 8, 16, 32, 64], 'repeats': 3,
+        'models': MODELS, 'ks': KS, 'repeats': 3, 'rss_repeats': 3,
+        'rss_malloc': ['fixed', 'default'],
         # sized so that activations, not parameters, dominate
         'rss_models': {
             'mlp': {'B': 256, 'ks': [8], 'module_kwargs': {'n_hidden': 512}},
             'cnn': {'B': 16, 'ks': [4, 16, 64],
                     'module_kwargs': {'in_channels': 3, 'image_size': 16}},
-            'transformer': {'B': 16, 'ks': [8],
-                            'module_kwargs': {'seq_len': 64}}},
-        'rss_repeats': 3, 'rss_malloc': ['fixed', 'default']},
+            'transformer': {'B': 16, 'ks': [8], 'module_kwargs': {'seq_len': 64}}}},
     # sizes that leave a short last micro-batch and a partial last group
     'exactness': {'epochs': 3, 'models': {
         'mlp': {'n': 1003, 'B': 16, 'k': 4}, 'cnn': {'n': 1003, 'B': 16, 'k': 4},
         'transformer': {'n': 251, 'B': 8, 'k': 4}}},
-    'scaling': {
-        'ks': [1, 2, 4, 8, 16, 32, 64], 'rounds': 5,
-        # 64 micro-batches per epoch: one group at k=64
-        'k_models': {'mlp': {'n': 2048, 'B': 32}, 'cnn': {'n': 1024, 'B': 16},
-                     'transformer': {'n': 512, 'B': 8}},
-        'data': {'model': 'mlp', 'B': 32, 'k': 8,
-                 'ns': [512, 1024, 2048, 4096, 8192]}},
+    # 64 micro-batches per epoch: one group at k=64
+    'scaling': {'ks': KS, 'rounds': 5, 'k_models': {
+        'mlp': {'n': 2048, 'B': 32}, 'cnn': {'n': 1024, 'B': 16},
+        'transformer': {'n': 512, 'B': 8}},
+        'data': {'model': 'mlp', 'B': 32, 'k': 8, 'ns': [512, 1024, 2048, 4096, 8192]}},
     'profile': {'name': 'mlp', 'cfg': MODELS['mlp'], 'top': 15},
 }
 
 #: Tiny sizes for a smoke run: every code path, no meaningful numbers.
 TINY = {'mlp': {'n_hidden': 32}, 'cnn': {},
         'transformer': {'seq_len': 8, 'd_model': 16, 'n_layers': 1}}
-TINY_MODELS = {name: {'n': n, 'B': B, 'k': 4, 'module_kwargs': TINY[name]}
-               for name, n, B in (('mlp', 64, 8), ('cnn', 32, 4),
-                                  ('transformer', 32, 4))}
+
+
+def _tiny(mlp, cnn, transformer):
+    return {name: {'n': n, 'B': B, 'k': 4, 'module_kwargs': TINY[name]}
+            for name, (n, B) in zip(TINY, (mlp, cnn, transformer))}
+
+
+TINY_MODELS = _tiny((64, 8), (32, 4), (32, 4))
 QUICK = {
     'overhead': {'models': TINY_MODELS, 'rounds': 2, 'warmup': 0},
-    'memory': {'models': TINY_MODELS, 'ks': [1, 2, 4], 'repeats': 1,
-               'rss_models': {'mlp': {'B': 16, 'ks': [4],
-                                      'module_kwargs': TINY['mlp']}},
-               'rss_repeats': 1, 'rss_malloc': ['fixed']},
-    'exactness': {'epochs': 2, 'models': {
-        name: {'n': n, 'B': B, 'k': 4, 'module_kwargs': TINY[name]}
-        for name, n, B in (('mlp', 43, 4), ('cnn', 43, 4),
-                           ('transformer', 27, 2))}},
+    'memory': {'models': TINY_MODELS, 'ks': [1, 2, 4], 'repeats': 1, 'rss_repeats': 1,
+               'rss_malloc': ['fixed'], 'rss_models': {
+                   'mlp': {'B': 16, 'ks': [4], 'module_kwargs': TINY['mlp']}}},
+    'exactness': {'epochs': 2, 'models': _tiny((43, 4), (43, 4), (27, 2))},
     'scaling': {'ks': [1, 2, 4], 'rounds': 1,
-                'k_models': {'mlp': {'n': 32, 'B': 8,
-                                     'module_kwargs': TINY['mlp']}},
+                'k_models': {'mlp': {'n': 32, 'B': 8, 'module_kwargs': TINY['mlp']}},
                 'data': {'model': 'mlp', 'B': 8, 'k': 2, 'ns': [16, 32, 64],
                          'module_kwargs': TINY['mlp']}},
     'profile': {'name': 'mlp', 'cfg': TINY_MODELS['mlp'], 'top': 5},
@@ -83,14 +75,11 @@ QUICK = {
 
 
 def parse_args(argv=None):
-    parser = harness.parser('benchmarks.run', (
-        'Benchmark GradAccNeuralNetClassifier against plain skorch, '
-        "skorch's FAQ recipe, AccelerateMixin and a hand-written loop: "
-        'overhead, memory, exactness and scaling.'))
+    parser = harness.parser('benchmarks.run', __doc__.split('\n\n')[0])
     parser.add_argument('--quick', action='store_true',
                         help='tiny sizes: a smoke run, no real numbers')
-    parser.add_argument('--sections', nargs='+', choices=SECTIONS,
-                        default=SECTIONS, help='run only these (default: all)')
+    parser.add_argument('--sections', nargs='+', choices=SECTIONS, default=SECTIONS,
+                        help='run only these (default: all)')
     return parser.parse_args(argv)
 
 
@@ -103,8 +92,7 @@ def main(argv=None):
     torch.set_num_threads(1)  # the steadiest on a shared machine
     meta = harness.provenance('benchmarks.run', argv)
     meta.update(torch_threads=1, load_average_start=meta.pop('load_average'))
-    results = {'meta': meta, 'quick': args.quick, 'config': config,
-               'seconds': {}}
+    results = {'meta': meta, 'quick': args.quick, 'config': config, 'seconds': {}}
     try:
         for name in args.sections:
             print('running {} ...'.format(name), file=sys.stderr, flush=True)
@@ -115,12 +103,8 @@ def main(argv=None):
         torch.set_num_threads(threads)  # leave the process as it was
     meta['load_average_end'] = os.getloadavg()
     results['targets'] = report.evaluate_targets(results)
-    out = Path(args.out)
-    paths = harness.save(out, 'benchmarks', results) + [
-        out / 'benchmarks.md', out / 'benchmarks.png']
-    paths[1].write_text(report.markdown(results))
-    report.plot(results, paths[2])
-    print(*paths, sep='\n')
+    harness.save(args.out, 'benchmarks', results, report.markdown(results))
+    report.plot(results, Path(args.out) / 'benchmarks.png')
     return 0
 
 

@@ -2,49 +2,37 @@
 
     python -m benchmarks.sharded_validation --out benchmark_results
 
-runs this module under ``torchrun`` (:func:`benchmarks.harness.torchrun`)
-with 1 and then 2 ranks, one torch thread each; every rank times a
-validation epoch (the median of 5) of a ``DistributedGradAccMixin`` net on
-4096 rows, whose batches the ranks share
-(:mod:`skorch_gradacc.sharded_evaluation`). It prints the times, their
-ratio and rank 0's CPU time (the work it does, whatever the load), and
-saves them as ``sharded_validation.json``. Expected on two free cores:
-about 0.5x, plus the gathering of the outputs.
+Each rank times a validation epoch (the median of 5) of a
+``DistributedGradAccMixin`` net on 4096 rows, whose batches the ranks share
+(:mod:`skorch_gradacc.sharded_evaluation`), one torch thread each. Saves
+``sharded_validation.json``: the times, their ratio and rank 0's CPU time (its
+work, whatever the load). Expected on two free cores: about 0.5x, plus gathering.
 """
 
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.distributed as dist
+from skorch.dataset import Dataset
 
 from benchmarks import harness
+from benchmarks.workloads import mlp
+from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetClassifier
 
 N_ROWS, N_FEATURES, BATCH_SIZE, REPEATS = 4096, 512, 64, 5
 
 
 def time_validation():
-    """On one rank: the median wall time of a validation epoch, seconds."""
-    import torch.distributed as dist
-    from skorch.dataset import Dataset
-
-    from skorch_gradacc import GradAccNeuralNetClassifier
-    from skorch_gradacc.distributed import DistributedGradAccMixin
-
-    class DDPNet(DistributedGradAccMixin, GradAccNeuralNetClassifier):
-        pass
-
-    dist.init_process_group('gloo')
+    """On one rank: the median wall and CPU time of a validation epoch, s."""
     torch.manual_seed(0)
     X = torch.randn(N_ROWS, N_FEATURES)
     y = torch.randint(0, 10, (N_ROWS,))
-    module = torch.nn.Sequential(
-        torch.nn.Linear(N_FEATURES, 2048), torch.nn.ReLU(),
-        torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
-        torch.nn.Linear(2048, 10), torch.nn.Softmax(dim=-1))
-    net = DDPNet(module, batch_size=BATCH_SIZE, verbose=0).initialize()
+    module = torch.nn.Sequential(mlp(N_FEATURES, 2048), torch.nn.Softmax(-1))
+    net = type('DDPNet', (DistributedGradAccMixin, GradAccNeuralNetClassifier), {})(
+        module, batch_size=BATCH_SIZE, verbose=0).initialize()
     iterator = net.get_iterator(Dataset(X, y), training=False)
     times, cpu_times = [], []
     for _ in range(REPEATS):
@@ -55,21 +43,14 @@ def time_validation():
                              step_fn=net.validation_step)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
-    if dist.get_rank() == 0:
-        print(json.dumps([statistics.median(times),
-                          statistics.median(cpu_times)]), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip Python's teardown, where gloo can abort
+    return [statistics.median(times), statistics.median(cpu_times)]
 
 
 def main(argv=None):
     args = harness.parser('benchmarks.sharded_validation',
                           __doc__.splitlines()[0]).parse_args(argv)
-    (one, cpu_one), (two, cpu_two) = (
-        harness.torchrun('benchmarks.sharded_validation', 'worker', nproc=n)
-        for n in (1, 2))
+    (one, cpu_one), (two, cpu_two) = (harness.torchrun(
+        time_validation, nproc=n, malloc='default')[0] for n in (1, 2))
     result = {'rows': N_ROWS, 'batch_size': BATCH_SIZE, 'w1_seconds': one,
               'w2_seconds': two, 'ratio': two / one,
               'w1_rank0_cpu_seconds': cpu_one, 'w2_rank0_cpu_seconds': cpu_two,
@@ -83,7 +64,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    if sys.argv[1:] == ['worker']:
-        time_validation()
-    else:
-        main()
+    main()

@@ -1,31 +1,18 @@
 """Peak memory of ``fit`` where the outputs or the inputs are large.
 
-Usage, from the repository root::
-
     python -m benchmarks.stream_memory --sweep --out benchmark_results
 
-Each configuration trains one epoch in a fresh process with the mmap
-threshold fixed, and reports its peak RSS growth (``benchmarks.harness``).
-The models, each compared as plain skorch at the micro-batch ``B``,
-``GradAccNeuralNet(B, k)`` and plain skorch at ``B * k``:
-
-* ``lm_tokens``: a language model's head, Embedding -> Linear to a
-  2,000-word vocabulary over 64 tokens; the logits (B, 64, 2000) are the
-  largest tensor; token-level cross-entropy.
-* ``lm_last``: the same head, returning only the last position's logits,
-  a view that keeps the whole logits tensor alive if it is kept.
-* ``mlp_4096``: an MLP with a 4,096-class head; ``mlp_10``: with a
-  10-class head (small outputs).
-* ``images``: 3x128x128 images that the model pools at once, so that the
-  inputs dominate.
-* ``lm_train_acc``: ``lm_tokens`` with skorch's standard way to log the
-  training accuracy, ``EpochScoring(token_accuracy, on_train=True)`` with
-  caching. Plain skorch caches every batch's logits for the epoch's score;
-  the GradAcc net must cache the same, and no more.
-
-``--sweep`` also measures ``lm_tokens`` for ``acc_steps`` from 1 to 32 at a
-fixed micro-batch. Writes ``stream_memory.json`` and the tables as CSV
-(``stream_memory.csv``, ``stream_memory_sweep.csv``), which the docs show.
+Peak RSS growth of one epoch in a fresh process (``benchmarks.harness``) of plain
+skorch at the micro-batch ``B``, ``GradAccNeuralNet(B, k)`` and plain skorch at
+``B * k``, on: ``lm_tokens``, a language model's head (Embedding -> Linear to
+2,000 words over 64 tokens: the logits are the largest tensor), token-level
+cross-entropy; ``lm_last``, its last position's logits only, a view that keeps
+them all alive; ``mlp_4096`` and ``mlp_10``, MLPs with 4,096 and 10 classes;
+``images``, 3x128x128 inputs pooled at once; ``lm_train_acc``, ``lm_tokens`` with
+``EpochScoring(token_accuracy, on_train=True)``, whose cached logits the GradAcc
+net must hold as plain skorch does, and no more. ``--sweep`` adds ``lm_tokens``
+for ``acc_steps`` 1 to 32. Writes ``stream_memory.json`` and the CSV tables
+(``stream_memory.csv``, ``stream_memory_sweep.csv``) that the docs show.
 """
 
 import statistics
@@ -36,9 +23,8 @@ from skorch import NeuralNet
 from skorch.callbacks import EpochScoring
 
 from benchmarks import harness
+from benchmarks.workloads import mlp
 from skorch_gradacc import GradAccNeuralNet
-
-__all__ = ['MODELS', 'build', 'make_net', 'measure', 'main']
 
 #: name: (B, k, rows)
 MODELS = {'lm_tokens': (8, 32, 512), 'lm_last': (8, 32, 512),
@@ -89,24 +75,22 @@ def build(name, rows):
             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
             torch.nn.Linear(3, 10)), torch.nn.CrossEntropyLoss, X, y
     X = torch.randn(rows, 64, generator=generator)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(),
-        torch.nn.Linear(512, classes)), torch.nn.CrossEntropyLoss, X, y
+    return mlp(64, 512, classes, n_layers=1), torch.nn.CrossEntropyLoss, X, y
 
 
 def make_net(name, kind, batch_size, acc_steps, rows, **kwargs):
     """Return ``(net, X, y)``: plain skorch (``kind='plain'``) or
     ``GradAccNeuralNet`` (``'gradacc'``) on a model, initialized."""
     module, criterion, X, y = build(name, rows)
-    kwargs.update(criterion=criterion, max_epochs=1, train_split=None,
-                  verbose=0, lr=0.01, optimizer=torch.optim.SGD,
-                  batch_size=batch_size, callbacks=[EpochScoring(
-                      token_accuracy, on_train=True, name='train_acc')]
+    kwargs.update(criterion=criterion, max_epochs=1, train_split=None, verbose=0,
+                  lr=0.01, optimizer=torch.optim.SGD, batch_size=batch_size,
+                  callbacks=[EpochScoring(token_accuracy, on_train=True,
+                                          name='train_acc')]
                   if name == 'lm_train_acc' else [])
     if kind == 'gradacc':
-        return GradAccNeuralNet(module, acc_steps=acc_steps, **kwargs
-                                ).initialize(), X, y
-    return NeuralNet(module, **kwargs).initialize(), X, y
+        kwargs['acc_steps'] = acc_steps
+    return (GradAccNeuralNet if kind == 'gradacc' else NeuralNet)(
+        module, **kwargs).initialize(), X, y
 
 
 def _train_kib(*args):
@@ -114,10 +98,10 @@ def _train_kib(*args):
 
 
 def measure(name, kind, batch_size, acc_steps=1, rows=None):
-    """The peak-RSS growth of one epoch of ``fit`` in KiB, in a fresh
-    process; ``kind`` is ``'plain'`` or ``'gradacc'``."""
+    """The peak-RSS growth of one epoch of ``fit`` in KiB, in a fresh process;
+    ``kind`` is ``'plain'`` or ``'gradacc'``."""
     return harness.fresh_process(_train_kib, name, kind, batch_size, acc_steps,
-                         rows or MODELS[name][2])
+                                 rows or MODELS[name][2])
 
 
 def _three(name, B, k, rows):
@@ -152,15 +136,13 @@ def tables(results):
         out['stream_memory_sweep'] = [
             ['acc_steps', 'plain at B=8 (MiB)', 'GradAcc at (8; k) (MiB)',
              'plain at 8·k (MiB)']] + [
-            [row['k']] + [round(row[kind]) for kind in ('plain_B', 'gradacc',
-                                                       'plain_Bk')]
-            for row in results['sweep']]
+            [row['k'], round(row['plain_B']), round(row['gradacc']),
+             round(row['plain_Bk'])] for row in results['sweep']]
     return out
 
 
 def parse_args(argv=None):
-    parser = harness.parser('benchmarks.stream_memory',
-                            __doc__.split('\n\n')[0])
+    parser = harness.parser('benchmarks.stream_memory', __doc__.split('\n\n')[0])
     parser.add_argument('--sweep', action='store_true',
                         help='also measure lm_tokens for acc_steps 1..32')
     return parser.parse_args(argv)
@@ -171,10 +153,9 @@ def main(argv=None):
     args = parse_args(argv)
     results = {'meta': harness.provenance('benchmarks.stream_memory', argv),
                'repeats': 3, 'models': measure_models(list(MODELS)),
-               'sweep': [dict(_three('lm_tokens', 8, k, 512), k=k)
-                         for k in SWEEP] if args.sweep else []}
-    for path in harness.save(args.out, 'stream_memory', results, **tables(results)):
-        print(path.read_text() if path.suffix == '.csv' else path)
+               'sweep': [dict(_three('lm_tokens', 8, k, 512), k=k) for k in SWEEP]
+               if args.sweep else []}
+    harness.save(args.out, 'stream_memory', results, **tables(results))
     return 0
 
 

@@ -1,28 +1,17 @@
-"""The sections of ``benchmarks.run``: :func:`overhead`, :func:`memory`,
-:func:`exactness`, :func:`scaling` and :func:`profile`; each returns a
-JSON-able dict. How to read each is said where it is shown, in
-``benchmarks.md`` (:mod:`benchmarks.report`)."""
+"""The sections of ``benchmarks.run``, each a function that returns a JSON-able
+dict; ``benchmarks.md`` (:mod:`benchmarks.report`) says how to read each."""
 
 import cProfile
 import functools
 import pstats
 
-import numpy as np
+import scipy.stats
 import torch
 
 from benchmarks.harness import fresh_process, interleave, summary, train_peak_kib
-from benchmarks.workloads import (
-    AccumGradLoop,
-    HandLoop,
-    make_data,
-    make_net,
-    make_workload,
-)
+from benchmarks.workloads import AccumGradLoop, HandLoop, make_net, make_workload
 from skorch_gradacc.activation_memory import track_activation_memory
 from skorch_gradacc.demo import max_param_diff
-
-__all__ = ['CONTENDERS', 'RSS_CONTENDERS', 'exactness', 'memory', 'overhead',
-           'profile', 'scaling']
 
 CONTENDERS = {
     'plain_B': 'skorch `NeuralNetClassifier(batch_size=B)`',
@@ -47,16 +36,13 @@ def _epoch(kind, module, module_kwargs, B, k, X, y, **kwargs):
 
 def _linear_fit(x, y):
     """Least-squares line through ``(x, y)``: slope, intercept and R^2."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    slope, intercept = np.polyfit(x, y, 1)
-    total = ((y - y.mean()) ** 2).sum()
-    r2 = 1.0 - ((y - slope * x - intercept) ** 2).sum() / total if total else 1.0
-    return {'slope': float(slope), 'intercept': float(intercept), 'r2': float(r2)}
+    fit = scipy.stats.linregress(x, y)
+    return {'slope': fit.slope, 'intercept': fit.intercept, 'r2': fit.rvalue ** 2}
 
 
 def overhead(models, rounds, warmup=1):
-    """Time per epoch of the :data:`CONTENDERS`, interleaved, per workload;
-    the per-round ratios to ``plain_B`` and ``hand``, and :func:`_gap`."""
+    """Time per epoch of the :data:`CONTENDERS`, interleaved, per workload; the
+    per-round ratios to ``plain_B`` and ``hand``, and :func:`_gap`."""
     return {name: _overhead_one(name, cfg, rounds, warmup)
             for name, cfg in models.items()}
 
@@ -65,8 +51,8 @@ def _overhead_one(name, cfg, rounds, warmup):
     X, y, module, module_kwargs = make_workload(name, cfg)
     B, k = cfg['B'], cfg['k']
     torch.manual_seed(0)
-    epoch = functools.partial(_epoch, module=module,
-                              module_kwargs=module_kwargs, X=X, y=y)
+    epoch = functools.partial(_epoch, module=module, module_kwargs=module_kwargs,
+                              X=X, y=y)
     data_net = make_net('plain', module, module_kwargs, B).initialize()
     accelerate = make_net('accelerate', module, module_kwargs, B, k)
     contenders = {
@@ -78,8 +64,8 @@ def _overhead_one(name, cfg, rounds, warmup):
         'hand': HandLoop.from_arrays(module(**module_kwargs), X, y, B, k).epoch,
         'hand_skorch_data': HandLoop(module(**module_kwargs), data_net.get_iterator(
             data_net.get_dataset(X, y), training=True), k).epoch,
-        'accumgrad': AccumGradLoop.from_arrays(
-            module(**module_kwargs), X, y, B, k).epoch,
+        'accumgrad': AccumGradLoop.from_arrays(module(**module_kwargs), X, y, B,
+                                               k).epoch,
         'gradacc_no_callbacks': epoch('gradacc', B=B, k=k, callbacks='disable'),
         'faq': epoch('faq', B=B, k=k),
         'accelerate': functools.partial(accelerate.partial_fit, X, y),
@@ -92,13 +78,12 @@ def _overhead_one(name, cfg, rounds, warmup):
                          'micro_batches_per_epoch': -(-len(X) // B),
                          'module_kwargs': cfg.get('module_kwargs', {})},
               'rounds': rounds, 'ratios': {}}
-    for clock in ('cpu', 'wall'):
+    for clock, by_name in times.items():
         result[clock + '_s'] = {name: summary(values)
-                                for name, values in times[clock].items()}
+                                for name, values in by_name.items()}
         result['ratios'][clock] = {base: {name: summary([
-            a / b for a, b in zip(values, times[clock][base])])
-            for name, values in times[clock].items()}
-            for base in ('plain_B', 'hand')}
+            a / b for a, b in zip(values, by_name[base])])
+            for name, values in by_name.items()} for base in ('plain_B', 'hand')}
     result['gap'] = _gap(times['cpu'], result['config'])
     return result
 
@@ -114,33 +99,20 @@ def _gap(cpu, config):
     gap = {}
     for part, (a, b) in parts.items():
         seconds = summary([x - y for x, y in zip(cpu[a], cpu[b])])
-        gap[part] = {'seconds': seconds,
-                     'fraction_of_hand': seconds['median'] / hand,
+        gap[part] = {'seconds': seconds, 'fraction_of_hand': seconds['median'] / hand,
                      'us_per_micro_batch': 1e6 * seconds['median']
                      / config['micro_batches_per_epoch']}
     return gap
 
 
-def _fitted(kind, model, module_kwargs, batch_size, acc_steps, n_rows):
+def epoch_peaks(kind, model, module_kwargs, batch_size, acc_steps, n_rows):
+    """Peak RSS growth (KiB: in a fresh process, ``harness.fresh_process``) and
+    peak bytes saved for backward of one epoch of ``n_rows``."""
     X, y, module, module_kwargs = make_workload(
         model, {'n': n_rows, 'module_kwargs': module_kwargs})
     net = make_net(kind, module, module_kwargs, batch_size, acc_steps)
     torch.manual_seed(0)
-    return net.initialize(), X, y
-
-
-def activation_peak(*args):
-    """Peak bytes saved for backward during one epoch (see :func:`_fitted`)."""
-    net, X, y = _fitted(*args)
-    with track_activation_memory() as meter:
-        net.partial_fit(X, y)
-    return meter.peak_bytes
-
-
-def rss_peak(*args):
-    """Peak RSS growth (KiB) and activation peak of one epoch; run it in a
-    fresh process (``harness.fresh_process``)."""
-    net, X, y = _fitted(*args)
+    net.initialize()
     # the meter only wraps what autograd saves anyway: it adds no tensors
     with track_activation_memory() as meter:
         train_kib = train_peak_kib(net, X, y)
@@ -148,71 +120,58 @@ def rss_peak(*args):
 
 
 def memory(models, ks, repeats, rss_models, rss_repeats, rss_malloc=('fixed',)):
-    """Activation memory of one group of ``B * k`` rows, GradAcc at ``(B,
-    k)`` and plain at ``B * k``, for each ``k`` of ``ks`` (1 included);
-    peak RSS of the :data:`RSS_CONTENDERS` in fresh processes for each
-    workload and ``k`` of ``rss_models``, each allocator of ``rss_malloc``.
-    """
+    """Activation memory of a group of ``B * k`` rows, GradAcc at ``(B, k)`` and
+    plain at ``B * k``, each ``k`` of ``ks``; peak RSS of the RSS_CONTENDERS."""
     activation = {}
     for name, cfg in models.items():
         B, kwargs = cfg['B'], cfg.get('module_kwargs', {})
-        rows = {'B': B, 'ks': list(ks)}
+        rows = activation[name] = {'B': B, 'ks': list(ks)}
         for kind, key in (('gradacc', 'gradacc'), ('plain', 'plain_Bk')):
-            rows[key] = [summary([activation_peak(
-                kind, name, kwargs, B if kind == 'gradacc' else B * k, k, B * k)
-                for _ in range(repeats)]) for k in ks]
+            rows[key] = [summary([epoch_peaks(
+                kind, name, kwargs, B if kind == 'gradacc' else B * k, k, B * k)[
+                    'activation_bytes'] for _ in range(repeats)]) for k in ks]
         plain_b = rows['plain_Bk'][list(ks).index(1)]['median']
         for key in ('gradacc', 'plain_Bk'):
             rows[key + '_vs_plain_B'] = [entry['median'] / plain_b
                                          for entry in rows[key]]
-        activation[name] = rows
-    return {'activation': activation,
-            'rss': _rss(rss_models, rss_repeats, rss_malloc)}
+    return {'activation': activation, 'rss': _rss(rss_models, rss_repeats, rss_malloc)}
 
 
 def _rss(rss_models, repeats, mallocs):
-    jobs = [(malloc, name, k, label) for malloc in mallocs
-            for name, cfg in rss_models.items() for k in cfg['ks']
-            for label in RSS_CONTENDERS]
-    runs = {job: [] for job in jobs}
-    for _ in range(repeats):
-        for malloc, name, k, label in jobs:
-            B, kwargs = rss_models[name]['B'], rss_models[name].get(
-                'module_kwargs', {})
-            runs[malloc, name, k, label].append(fresh_process(
-                rss_peak, 'plain' if label.startswith('plain') else label,
-                name, kwargs, B * k if label == 'plain_Bk' else B, k, B * k,
-                malloc=malloc))
+    cases = [(malloc, name, k) for malloc in mallocs
+             for name, cfg in rss_models.items() for k in cfg['ks']]
+    runs = {(case, label): [] for case in cases for label in RSS_CONTENDERS}
+    for _ in range(repeats):  # interleaved
+        for (malloc, name, k), label in runs:
+            B, kwargs = rss_models[name]['B'], rss_models[name].get('module_kwargs', {})
+            runs[(malloc, name, k), label].append(fresh_process(
+                epoch_peaks, 'plain' if label.startswith('plain') else label, name,
+                kwargs, B * k if label == 'plain_Bk' else B, k, B * k, malloc=malloc))
     rss = {}
-    for (malloc, name, k) in dict.fromkeys(job[:3] for job in jobs):
+    for malloc, name, k in cases:
         cfg = rss_models[name]
         entry = rss.setdefault(malloc, {}).setdefault(name, {})[str(k)] = {
             'B': cfg['B'], 'k': k, 'repeats': repeats,
             'module_kwargs': cfg.get('module_kwargs', {})}
-        for label in RSS_CONTENDERS:
-            entry[label] = {key: summary([run[key] for run in runs[
-                malloc, name, k, label]]) for key in ('train_kib',
-                                                      'activation_bytes')}
         for key in ('train_kib', 'activation_bytes'):
+            for label in RSS_CONTENDERS:
+                entry.setdefault(label, {})[key] = summary(
+                    [run[key] for run in runs[(malloc, name, k), label]])
             entry[key + '_vs_plain_B'] = {
-                other: entry[other][key]['median']
-                / entry['plain_B'][key]['median'] for other in RSS_CONTENDERS}
-        # GradAcc's batches are whole groups: their inputs are in memory at
-        # once, which plain B never has
-        X, _ = make_data(name, 2, **cfg.get('module_kwargs', {}))
+                label: entry[label][key]['median'] / entry['plain_B'][key]['median']
+                for label in RSS_CONTENDERS}
+        # GradAcc's batches are whole groups, whose inputs plain B never holds
+        X = make_workload(name, cfg, n=2)[0]
         entry['group_input_kib'] = cfg['B'] * k * X[0].nbytes / 2 ** 10
-        entry['gradacc_minus_plain_B_kib'] = (
-            entry['gradacc']['train_kib']['median']
-            - entry['plain_B']['train_kib']['median'])
+        entry['gradacc_minus_plain_B_kib'] = (entry['gradacc']['train_kib']['median']
+                                              - entry['plain_B']['train_kib']['median'])
     return rss
 
 
 def exactness(models, epochs):
-    """Each recipe's largest parameter difference to the large-batch net
-    after ``epochs`` (float64), and its ``acc_steps=1`` control's to plain B.
-    """
-    return {name: _exactness_one(name, cfg, epochs)
-            for name, cfg in models.items()}
+    """Each recipe's largest parameter difference to the large-batch net after
+    ``epochs`` (float64), and its ``acc_steps=1`` control's to plain B."""
+    return {name: _exactness_one(name, cfg, epochs) for name, cfg in models.items()}
 
 
 def _exactness_one(name, cfg, epochs):
@@ -223,9 +182,8 @@ def _exactness_one(name, cfg, epochs):
         # the seed and the shuffling are the same for nets and loops
         torch.manual_seed(0)
         if kind in ('hand', 'accumgrad'):
-            loop = {'hand': HandLoop, 'accumgrad': AccumGradLoop}[kind]
-            loop = loop.from_arrays(module(**module_kwargs), X, y, batch_size,
-                                    acc_steps)
+            loop = {'hand': HandLoop, 'accumgrad': AccumGradLoop}[kind].from_arrays(
+                module(**module_kwargs), X, y, batch_size, acc_steps)
             for _ in range(epochs):
                 loop.epoch()
             return loop.module
@@ -243,23 +201,19 @@ def _exactness_one(name, cfg, epochs):
             'max_param_diff': max_param_diff(trained, large),
             'train_loss_ratio': None if history is None else float(
                 history[-1, 'train_loss'] / large.history[-1, 'train_loss']),
-            'control_k1_max_param_diff': max_param_diff(fit(kind, B, 1),
-                                                        plain_b),
-        }
+            'control_k1_max_param_diff': max_param_diff(fit(kind, B, 1), plain_b)}
     return entry
 
 
 def scaling(k_models, ks, data, rounds, warmup=1):
-    """Epoch and step time of GradAcc for each ``k`` of ``ks`` at a fixed
-    micro-batch (``k_models``); epoch time of GradAcc and plain ``B`` for
-    each size of ``data['ns']``. Each interleaved, with linear fits."""
+    """GradAcc's epoch and step time for each ``k`` of ``ks``; GradAcc's and plain
+    B's epoch time for each size of ``data['ns']``; linear fits."""
     by_k = {}
     for name, cfg in k_models.items():
         X, y, module, module_kwargs = make_workload(name, cfg)
-        B = cfg['B']
-        times = interleave({k: _epoch('gradacc', module, module_kwargs, B, k,
-                                      X, y) for k in ks}, rounds, warmup)['cpu']
-        n_micro = -(-len(X) // B)
+        B, n_micro = cfg['B'], -(-len(X) // cfg['B'])
+        times = interleave({k: _epoch('gradacc', module, module_kwargs, B, k, X, y)
+                            for k in ks}, rounds, warmup)['cpu']
         epochs = [summary(times[k]) for k in ks]
         medians = [epoch['median'] for epoch in epochs]
         # one optimizer step processes k micro-batches
@@ -271,15 +225,12 @@ def scaling(k_models, ks, data, rounds, warmup=1):
             'gradacc': {'epoch_cpu_s': epochs, 'step_cpu_s': step,
                         'step_fit': _linear_fit(ks, step),
                         'epoch_spread': max(medians) / min(medians)}}
-
     name, B, k, ns = data['model'], data['B'], data['k'], data['ns']
     contenders = {}
     for n in ns:
         X, y, module, module_kwargs = make_workload(name, data, n=n)
-        for kind, label, acc_steps in (('gradacc', 'gradacc', k),
-                                       ('plain', 'plain_B', 1)):
-            contenders[label, n] = _epoch(kind, module, module_kwargs, B,
-                                          acc_steps, X, y)
+        contenders['gradacc', n] = _epoch('gradacc', module, module_kwargs, B, k, X, y)
+        contenders['plain_B', n] = _epoch('plain', module, module_kwargs, B, 1, X, y)
     times = interleave(contenders, rounds, warmup=warmup)['cpu']
     by_data = {'model': name, 'B': B, 'k': k, 'ns': list(ns), 'rounds': rounds}
     for label in ('gradacc', 'plain_B'):
@@ -290,8 +241,7 @@ def scaling(k_models, ks, data, rounds, warmup=1):
 
 
 def profile(name, cfg, top=15):
-    """cProfile one epoch of GradAcc at ``(B, k)``: the top functions by self
-    time."""
+    """cProfile one epoch of GradAcc: the top functions by self time."""
     X, y, module, module_kwargs = make_workload(name, cfg)
     net = make_net('gradacc', module, module_kwargs, cfg['B'], cfg['k'])
     torch.manual_seed(0)

@@ -1,12 +1,10 @@
 """What the benchmarks train: three workloads and the ways to train them.
 
-The workloads are an MLP, a small CNN and a small transformer encoder,
-each a module plus a data generator (numpy arrays; nothing is downloaded:
-the CNN's images are scikit-learn's 8x8 digits, or synthetic ones). The
-contenders (``suite.CONTENDERS`` says what each is) share SGD with
-momentum, shuffled data, no validation split and ``CrossEntropyLoss``, and
-differ only in how they accumulate. ``naive`` is ``loss / k`` with the last
-partial group stepped anyway, the rule of Lightning and most loops.
+An MLP, a small CNN (on scikit-learn's 8x8 digits, or synthetic images) and a
+small transformer encoder. The contenders (``suite.CONTENDERS``) share SGD with
+momentum, shuffled data, no validation split and ``CrossEntropyLoss``, and differ
+only in how they accumulate. ``naive`` is ``loss / k`` with the last partial
+group stepped anyway, the rule of Lightning and most loops.
 """
 
 import numpy as np
@@ -18,15 +16,14 @@ from skorch.hf import AccelerateMixin
 from skorch_gradacc import AccumGrad, GradAccNeuralNetClassifier
 from skorch_gradacc.demo import NaiveDivideByK
 
-__all__ = ['WORKLOADS', 'AccumGradLoop', 'FAQRecipeNet', 'HandLoop', 'make_data',
-           'make_net', 'make_workload']
 
-def mlp(n_in=64, n_hidden=256, n_out=10, dtype=torch.float32):
-    """A tabular MLP: two hidden ReLU layers, logits out."""
-    return torch.nn.Sequential(
-        torch.nn.Linear(n_in, n_hidden, dtype=dtype), torch.nn.ReLU(),
-        torch.nn.Linear(n_hidden, n_hidden, dtype=dtype), torch.nn.ReLU(),
-        torch.nn.Linear(n_hidden, n_out, dtype=dtype))
+def mlp(n_in=64, n_hidden=256, n_out=10, n_layers=2, dtype=torch.float32):
+    """An MLP: ``n_layers`` hidden ReLU layers, logits out."""
+    layers, width = [], n_in
+    for _ in range(n_layers):
+        layers += [torch.nn.Linear(width, n_hidden, dtype=dtype), torch.nn.ReLU()]
+        width = n_hidden
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, n_out, dtype=dtype))
 
 
 def cnn(in_channels=1, image_size=8, channels=(16, 32), n_hidden=64, n_out=10,
@@ -34,20 +31,17 @@ def cnn(in_channels=1, image_size=8, channels=(16, 32), n_hidden=64, n_out=10,
     """Two 3x3 convolutions, a 2x2 max-pool and a two-layer head."""
     c1, c2 = channels
     return torch.nn.Sequential(
-        torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype),
-        torch.nn.ReLU(), torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype),
-        torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+        torch.nn.Conv2d(in_channels, c1, 3, padding=1, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.Conv2d(c1, c2, 3, padding=1, dtype=dtype), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(),
         torch.nn.Linear(c2 * (image_size // 2) ** 2, n_hidden, dtype=dtype),
         torch.nn.ReLU(), torch.nn.Linear(n_hidden, n_out, dtype=dtype))
 
 
 class Transformer(torch.nn.Module):
-    """A small transformer encoder that classifies token sequences.
-
-    Token and position embeddings, ``n_layers`` pre-norm encoder layers
-    without dropout (dropout draws its masks per micro-batch, see the
-    package's notes), mean pooling and a linear classifier.
-    """
+    """A small transformer encoder that classifies token sequences: token and
+    position embeddings, ``n_layers`` pre-norm encoder layers without dropout
+    (it draws its masks per micro-batch), mean pooling, a linear classifier."""
 
     def __init__(self, vocab_size=64, seq_len=32, d_model=64, n_heads=4,
                  d_ff=128, n_layers=2, n_out=2, dtype=torch.float32):
@@ -71,57 +65,41 @@ WORKLOADS = {'mlp': mlp, 'cnn': cnn, 'transformer': Transformer}
 
 
 def make_workload(name, cfg, n=None, dtype=torch.float32):
-    """Return ``(X, y, module factory, module kwargs)`` for a workload of
-    ``cfg['n']`` rows (or ``n``) and ``cfg['module_kwargs']``."""
-    kwargs = cfg.get('module_kwargs', {})
-    X, y = make_data(name, cfg['n'] if n is None else n, dtype=dtype, **kwargs)
-    return X, y, WORKLOADS[name], dict(kwargs, dtype=dtype)
-
-
-def make_data(name, n, dtype=torch.float32, seed=0, **module_kwargs):
-    """Return ``(X, y)`` numpy arrays of ``n`` samples for a workload.
-
-    ``module_kwargs`` are the module's size parameters, so that the data fit
-    the module (e.g. ``image_size`` or ``seq_len``).
-    """
-    rng = np.random.default_rng(seed)
+    """``(X, y, module factory, module kwargs)``: ``cfg['n']`` (or ``n``) rows of
+    numpy data that fit the module of ``cfg['module_kwargs']``."""
+    module, kwargs = WORKLOADS[name], cfg.get('module_kwargs', {})
+    n = cfg['n'] if n is None else n
     floats = np.float64 if dtype == torch.float64 else np.float32
+    rng = np.random.default_rng(0)
+    size, channels = kwargs.get('image_size', 8), kwargs.get('in_channels', 1)
     if name == 'mlp':
-        n_in = module_kwargs.get('n_in', 64)
+        n_in = kwargs.get('n_in', 64)
         X, y = make_classification(
             n_samples=n, n_features=n_in, n_informative=n_in // 2,
-            n_classes=module_kwargs.get('n_out', 10), n_clusters_per_class=1,
-            random_state=seed)
-        return ((X - X.mean(0)) / X.std(0)).astype(floats), y.astype(np.int64)
-    if name == 'cnn':
-        size = module_kwargs.get('image_size', 8)
-        channels = module_kwargs.get('in_channels', 1)
-        if size == 8 and channels == 1:
-            # scikit-learn's bundled digits, repeated if more are asked for
-            X, y = load_digits(return_X_y=True)
-            rows = np.arange(n) % len(X)
-            X = (X[rows] / 16.0).reshape(n, 1, 8, 8)
-            return X.astype(floats), y[rows].astype(np.int64)
+            n_classes=kwargs.get('n_out', 10), n_clusters_per_class=1,
+            random_state=0)
+        X = ((X - X.mean(0)) / X.std(0)).astype(floats)
+    elif name == 'cnn' and size == 8 and channels == 1:
+        # scikit-learn's bundled digits, repeated if more are asked for
+        X, y = load_digits(return_X_y=True)
+        rows = np.arange(n) % len(X)
+        X, y = (X[rows] / 16.0).reshape(n, 1, 8, 8).astype(floats), y[rows]
+    elif name == 'cnn':
         X = rng.standard_normal((n, channels, size, size), dtype=np.float32)
-        y = rng.integers(0, module_kwargs.get('n_out', 10), size=n)
-        return X.astype(floats), y.astype(np.int64)
-    if name == 'transformer':
-        X = rng.integers(0, module_kwargs.get('vocab_size', 64),
-                         size=(n, module_kwargs.get('seq_len', 32)))
+        X, y = X.astype(floats), rng.integers(0, kwargs.get('n_out', 10), size=n)
+    else:
+        X = rng.integers(0, kwargs.get('vocab_size', 64),
+                         size=(n, kwargs.get('seq_len', 32)))
         # a label that needs the whole sequence: more 1s than 2s?
-        y = ((X == 1).sum(1) > (X == 2).sum(1)).astype(np.int64)
-        return X.astype(np.int64), y
-    raise ValueError('unknown workload {!r}'.format(name))
+        y = (X == 1).sum(1) > (X == 2).sum(1)
+    return X, y.astype(np.int64), module, dict(kwargs, dtype=dtype)
 
 
 class FAQRecipeNet(NeuralNetClassifier):
-    """skorch's FAQ recipe for gradient accumulation, as written there.
-
-    From "How can I perform gradient accumulation with skorch?" in skorch's
-    ``docs/user/FAQ.rst``, in skorch 1.x's ``train_step(self, batch)``
-    signature, exactly as skorch's own test ``test_gradient_accumulation``
-    writes it. Nothing else is changed or fixed.
-    """
+    """skorch's FAQ recipe for gradient accumulation ("How can I perform
+    gradient accumulation with skorch?"), in skorch 1.x's ``train_step``
+    signature, exactly as skorch's test ``test_gradient_accumulation`` writes
+    it. Nothing else is changed or fixed."""
 
     def __init__(self, *args, acc_steps=2, **kwargs):
         super().__init__(*args, **kwargs)
@@ -148,18 +126,14 @@ class AccelerateNet(AccelerateMixin, NeuralNetClassifier):
 
 def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
              max_epochs=1, **kwargs):
-    """Build one skorch contender: ``kind`` is ``'plain'`` (at ``batch_size``:
-    pass ``B * k`` for the large batch), ``'gradacc'``, ``'faq'``, ``'naive'``
-    or ``'accelerate'``. Build an ``'accelerate'`` net right before it
-    trains: all ``Accelerator`` objects of a process share
-    ``gradient_accumulation_steps``, and the last one created sets it.
-    """
-    params = dict(criterion=torch.nn.CrossEntropyLoss,
-                  optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=lr,
-                  max_epochs=max_epochs, batch_size=batch_size,
-                  train_split=None, iterator_train__shuffle=True, verbose=0)
-    params.update({'module__' + key: value
-                   for key, value in module_kwargs.items()})
+    """A skorch contender: ``'plain'``, ``'gradacc'``, ``'faq'``, ``'naive'`` or
+    ``'accelerate'``; build the latter right before it trains: all ``Accelerator``
+    objects share ``gradient_accumulation_steps``, and the last one sets it."""
+    params = dict(criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.SGD,
+                  optimizer__momentum=0.9, lr=lr, max_epochs=max_epochs,
+                  batch_size=batch_size, train_split=None,
+                  iterator_train__shuffle=True, verbose=0)
+    params.update({'module__' + key: value for key, value in module_kwargs.items()})
     params.update(kwargs)
     if kind == 'accelerate':
         from accelerate import Accelerator
@@ -177,27 +151,20 @@ def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
 
 
 class HandLoop:
-    """A hand-written PyTorch training loop with ``loss / k`` accumulation.
-
-    The loop everyone writes (and Accelerate's documentation shows): backward
-    on ``loss / acc_steps``, step every ``acc_steps`` micro-batches and after
-    the last one; no logging, callbacks or history: the floor for the time
-    an epoch can take. ``loader`` yields micro-batches ``(X, y)`` of
-    tensors; a skorch net's iterator measures skorch's data path alone.
-    """
+    """The loop everyone writes (and Accelerate's docs show): backward on ``loss
+    / k``, step every ``k`` micro-batches and after the last; no callbacks or
+    history, the floor for an epoch's time. ``loader`` yields ``(X, y)``."""
 
     def __init__(self, module, loader, acc_steps, lr=0.05):
         self.module, self.loader, self.acc_steps = module, loader, acc_steps
         self.criterion = torch.nn.CrossEntropyLoss()
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr,
-                                         momentum=0.9)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
 
     @classmethod
-    def from_arrays(cls, module, X, y, batch_size, acc_steps, lr=0.05):
-        dataset = torch.utils.data.TensorDataset(torch.as_tensor(X),
-                                                 torch.as_tensor(y))
+    def from_arrays(cls, module, X, y, batch_size, acc_steps):
+        dataset = torch.utils.data.TensorDataset(torch.as_tensor(X), torch.as_tensor(y))
         return cls(module, torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, shuffle=True), acc_steps, lr=lr)
+            dataset, batch_size=batch_size, shuffle=True), acc_steps)
 
     def epoch(self):
         self.module.train()
@@ -211,14 +178,12 @@ class HandLoop:
 
 
 class AccumGradLoop(HandLoop):
-    """The same loop with :class:`skorch_gradacc.AccumGrad`, no ``loss / k``.
+    """The same loop with :class:`skorch_gradacc.AccumGrad`, no ``loss / k``:
+    each micro-batch's rows are counted (``set_count``), so a short last
+    micro-batch weighs what it holds, and the last partial group is flushed."""
 
-    Each micro-batch's rows are counted (``set_count``), so a short last
-    micro-batch weighs what it holds, and the last partial group is flushed.
-    """
-
-    def __init__(self, module, loader, acc_steps, lr=0.05):
-        super().__init__(module, loader, acc_steps, lr=lr)
+    def __init__(self, module, loader, acc_steps):
+        super().__init__(module, loader, acc_steps)
         self.optimizer = AccumGrad(self.optimizer, acc_steps)
 
     def epoch(self):

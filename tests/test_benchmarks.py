@@ -252,3 +252,12 @@ def test_docs_quote_the_committed_results():
     page = ' '.join(PAGE.read_text().split())
     missing = [text for text in quoted_results() if text not in page]
     assert not missing, missing
+
+
+def test_benchmarks_code_stays_within_its_line_budget():
+    # issue 24: benchmarks the size of what they show. Every Python file under
+    # benchmarks/ counts, as `wc -l` counts; the results (JSON, CSV, Markdown,
+    # PNG) are data and do not
+    lines = sum(path.read_text().count('\n')
+                for path in (ROOT / 'benchmarks').rglob('*.py'))
+    assert lines <= 1800, lines
