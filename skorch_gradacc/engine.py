@@ -25,9 +25,11 @@ the skip decision. An engine supplies only what differs:
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
@@ -228,7 +230,9 @@ class DDPEngine(DataParallelEngine):
     u`` (:meth:`set_unit`), making it the gradient of this rank's summed
     loss, and sums over ranks; :meth:`~DataParallelEngine.end_step` then
     divides by the step's item count over all ranks. The hook replaces
-    DDP's default one, which averages over ranks.
+    DDP's default one, which averages over ranks; like that one, it starts
+    each bucket's all-reduce as soon as the bucket is ready, which overlaps
+    the rest of the backward (see :func:`_scaled_allreduce_hook`).
 
     Parameters
     ----------
@@ -247,12 +251,22 @@ class DDPEngine(DataParallelEngine):
       The number of gradient all-reduces so far: one per DDP bucket and
       step.
 
+    pending : list
+      The all-reduces of the running backward, still in flight.
+
     """
 
     def __init__(self, module, process_group=None, shard=False):
+        if getattr(module, 'static_graph', False):
+            raise ValueError(
+                "Gradient accumulation runs all backward passes of a step but "
+                "the last under DistributedDataParallel's no_sync(), which a "
+                "module wrapped with static_graph=True does not support; wrap "
+                "it without static_graph.")
         super().__init__(module, process_group=process_group, shard=shard)
         self.factor = 1.0
         self.allreduces = 0
+        self.pending = []
         module.register_comm_hook(self, _scaled_allreduce_hook)
 
     def may_skip(self, is_last):
@@ -296,22 +310,37 @@ def _on_device(value, device):
 
 
 def _scaled_allreduce_hook(state, bucket):
-    """Multiply this rank's bucket by ``state.factor``, then sum over ranks.
+    """Multiply this rank's bucket by ``state.factor``; sum it over ranks.
 
-    The all-reduce runs in the calling thread and the hook returns a future
-    that is already complete. A Python callback chained to an asynchronous
-    all-reduce (``future.then(...)``) would run, and be freed, on one of
-    gloo's worker threads a moment after the step has moved on; a process
-    that exits in that moment aborts with ``terminate called without an
-    active exception``, as the thread cannot take the GIL of an interpreter
-    that is shutting down. With NCCL the call still returns at once: the
-    all-reduce is ordered on the device's stream.
+    The all-reduce is asynchronous, so that it overlaps the backward of the
+    layers before the bucket (on gloo's threads, or NCCL's stream), as with
+    DDP's default hook. The future that DDP waits for is completed at the
+    end of the backward, in the thread that ran it: the first bucket of a
+    backward queues :func:`_complete_allreduces` with the autograd engine,
+    which runs it after the last bucket and before DDP's own finalizer. No
+    Python callback runs on a communication thread (``future.then(...)``
+    would: a process that exits a moment after the step then aborts with
+    ``terminate called without an active exception``, as that thread cannot
+    take the GIL of an interpreter that is shutting down).
     """
     tensor = bucket.buffer()
     tensor.mul_(state.factor)
     state.allreduces += 1
-    dist.all_reduce(tensor, group=state.process_group)
     future = torch.futures.Future(
         devices=[tensor.device] if tensor.is_cuda else None)
-    future.set_result(tensor)
+    if not state.pending:
+        Variable._execution_engine.queue_callback(
+            functools.partial(_complete_allreduces, state.pending))
+    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    state.pending.append((work, future, tensor))
     return future
+
+
+def _complete_allreduces(pending):
+    """Wait for the backward's all-reduces and complete DDP's futures."""
+    try:
+        for work, future, tensor in pending:
+            work.wait()
+            future.set_result(tensor)
+    finally:
+        pending.clear()
