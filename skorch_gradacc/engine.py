@@ -226,10 +226,14 @@ class DDPEngine(DataParallelEngine):
     """The engine of a module wrapped in DistributedDataParallel.
 
     ``no_sync()`` for all backward passes of a step but a rank's last, and
-    a communication hook that multiplies each rank's gradient by ``factor =
-    u`` (:meth:`set_unit`), making it the gradient of this rank's summed
-    loss, and sums over ranks; :meth:`~DataParallelEngine.end_step` then
-    divides by the step's item count over all ranks. The hook replaces
+    a communication hook that sums each rank's gradient over ranks;
+    :meth:`~DataParallelEngine.end_step` then divides by the step's item
+    count over all ranks. Each backward is weighted by its item count
+    (:attr:`unit` 1), so that ``.grad`` is the gradient of the rank's summed
+    loss. With ``fp16``, a weight of ``c`` times the GradScaler's scale
+    could overflow the float16 gradients of the activations: the unit is
+    then the rank's first count ``u``, and the hook first multiplies by
+    ``factor = u`` (:meth:`set_unit`). The hook replaces
     DDP's default one, which averages over ranks; like that one, it starts
     each bucket's all-reduce as soon as the bucket is ready, which overlaps
     the rest of the backward (see :func:`_scaled_allreduce_hook`).
@@ -242,8 +246,14 @@ class DDPEngine(DataParallelEngine):
     process_group, shard
       See :class:`DataParallelEngine`.
 
+    fp16 : bool (default=False)
+      Whether the backward passes run under a float16 GradScaler.
+
     Attributes
     ----------
+    unit : float or None
+      1, or None with ``fp16``.
+
     factor : float or torch.Tensor
       What the next all-reduce multiplies this rank's gradient by.
 
@@ -256,7 +266,7 @@ class DDPEngine(DataParallelEngine):
 
     """
 
-    def __init__(self, module, process_group=None, shard=False):
+    def __init__(self, module, process_group=None, shard=False, fp16=False):
         if getattr(module, 'static_graph', False):
             raise ValueError(
                 "Gradient accumulation runs all backward passes of a step but "
@@ -264,6 +274,7 @@ class DDPEngine(DataParallelEngine):
                 "module wrapped with static_graph=True does not support; wrap "
                 "it without static_graph.")
         super().__init__(module, process_group=process_group, shard=shard)
+        self.unit = None if fp16 else 1.0
         self.factor = 1.0
         self.allreduces = 0
         self.pending = []
@@ -282,14 +293,14 @@ class DDPEngine(DataParallelEngine):
         self.factor = 1.0 if unit is None else unit
 
 
-def engine_for(module):
+def engine_for(module, fp16=False, shard=False):
     """Return the engine of ``module``.
 
-    A :class:`DDPEngine` if it is wrapped in DistributedDataParallel, else
-    the single process's :class:`Engine`.
+    A :class:`DDPEngine` (with ``fp16`` and ``shard``) if it is wrapped in
+    DistributedDataParallel, else the single process's :class:`Engine`.
     """
     if isinstance(module, DistributedDataParallel):
-        return DDPEngine(module)
+        return DDPEngine(module, shard=shard, fp16=fp16)
     return Engine(module)
 
 
@@ -324,7 +335,8 @@ def _scaled_allreduce_hook(state, bucket):
     take the GIL of an interpreter that is shutting down).
     """
     tensor = bucket.buffer()
-    tensor.mul_(state.factor)
+    if isinstance(state.factor, torch.Tensor) or state.factor != 1:
+        tensor.mul_(state.factor)
     state.allreduces += 1
     future = torch.futures.Future(
         devices=[tensor.device] if tensor.is_cuda else None)

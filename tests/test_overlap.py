@@ -20,6 +20,8 @@ import torch.distributed as dist
 from skorch import NeuralNetRegressor
 from torch.nn.parallel import DistributedDataParallel
 
+from skorch_gradacc import GradAccNeuralNetRegressor
+
 from conftest import PARAM_ATOL, regression_data
 
 SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
@@ -31,6 +33,7 @@ from overlap_worker import (  # noqa: E402
     DELAY,
     N_SAMPLES,
     DDPNet,
+    fp16_module,
     module,
 )
 
@@ -87,6 +90,30 @@ def test_fit_matches_the_large_batch(ranks):
         for name, value in expected.items():
             torch.testing.assert_close(rank['params'][name], value, rtol=0,
                                        atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_fp16_matches_one_process(ranks):
+    # with fp16, each rank's gradient is in units of its first count, which
+    # the hook multiplies before the sum; the single process is checked
+    # against AMP written by hand in test_mixed_precision.py
+    X, y = regression_data(N_SAMPLES)
+    torch.manual_seed(0)
+    net = GradAccNeuralNetRegressor(
+        fp16_module, acc_steps=ACC_STEPS * WORLD_SIZE, batch_size=BATCH_SIZE,
+        max_epochs=2, lr=0.05, train_split=None, verbose=0,
+        mixed_precision='fp16').fit(X.astype('float32'), y.astype('float32'))
+    # the scaler's first scale, 2**16, overflows in the first steps
+    skipped = net.history[:, 'skipped_steps']
+    assert sum(skipped) < sum(net.history[:, 'train_batch_count'])
+    for rank in ranks:
+        assert rank['fp16_unit'] is None
+        assert rank['fp16_skipped'] == skipped
+        for name, value in net.module_.state_dict().items():
+            # float32 sums in another order: measured up to 3e-8
+            torch.testing.assert_close(rank['fp16_params'][name], value,
+                                       rtol=0, atol=1e-6)
 
 
 def test_a_static_graph_is_refused_with_the_reason(tmp_path):

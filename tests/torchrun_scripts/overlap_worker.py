@@ -8,6 +8,7 @@ layer's bucket is ready, before the hidden layers' one. Rank 0 records
 how long each call of the engine's communication hook took and in which
 thread DDP's futures were completed:
 a hook that waited for its all-reduce would wait out rank 1's pause.
+A second fit runs with ``mixed_precision='fp16'``.
 
 Each rank saves its records and the fit's parameters to
 OUT_DIR/rank{r}.pt, and returns from Python without tearing the process
@@ -58,6 +59,11 @@ def module():
         torch.nn.Linear(256, 1, dtype=DTYPE))
 
 
+def fp16_module():
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
 class DDPNet(DistributedGradAccMixin, GradAccNeuralNetRegressor):
 
     def initialize_module(self):
@@ -86,14 +92,23 @@ def timed_hook(hook, calls):
 def main(out_dir):
     dist.init_process_group('gloo')
     X, y = regression_data(N_SAMPLES)
-    calls = []
-    engine._scaled_allreduce_hook = timed_hook(
-        engine._scaled_allreduce_hook, calls)
+    calls, hook = [], engine._scaled_allreduce_hook
+    engine._scaled_allreduce_hook = timed_hook(hook, calls)
     torch.manual_seed(0)
     net = DDPNet(module, acc_steps=ACC_STEPS, batch_size=BATCH_SIZE,
                  max_epochs=2, lr=0.05, train_split=None, verbose=0)
     net.fit(X, y)
+    # fp16: each rank's unit is its first count, which the hook multiplies
+    engine._scaled_allreduce_hook = timed_hook(hook, [])
+    torch.manual_seed(0)
+    fp16 = DDPNet(fp16_module, acc_steps=ACC_STEPS, batch_size=BATCH_SIZE,
+                  max_epochs=2, lr=0.05, train_split=None, verbose=0,
+                  mixed_precision='fp16').fit(X.astype('float32'),
+                                              y.astype('float32'))
     torch.save({
+        'fp16_params': fp16.module_.module.state_dict(),
+        'fp16_unit': fp16.engine_.unit,
+        'fp16_skipped': fp16.history[:, 'skipped_steps'],
         'calls': calls,
         'main_thread': threading.get_ident(),
         'allreduces': net.engine_.allreduces,
