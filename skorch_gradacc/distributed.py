@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
-from skorch_gradacc.engine import DDPEngine
+from skorch_gradacc.engine import engine_for
 from skorch_gradacc.rank_streams import RankRandomStreamMixin
 from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
 
@@ -95,9 +95,8 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
 
     def make_engine(self):
         """Return the DDP engine, which shards the training iterator."""
-        if isinstance(self.module_, DistributedDataParallel):
-            return DDPEngine(self.module_, shard=True)
-        return super().make_engine()
+        return engine_for(self.module_, shard=True,
+                          fp16=self.mixed_precision == 'fp16')
 
     def _get_module(self, name, msg):
         # skorch's save_params and load_params read and write the module

@@ -25,9 +25,11 @@ the skip decision. An engine supplies only what differs:
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
@@ -224,11 +226,17 @@ class DDPEngine(DataParallelEngine):
     """The engine of a module wrapped in DistributedDataParallel.
 
     ``no_sync()`` for all backward passes of a step but a rank's last, and
-    a communication hook that multiplies each rank's gradient by ``factor =
-    u`` (:meth:`set_unit`), making it the gradient of this rank's summed
-    loss, and sums over ranks; :meth:`~DataParallelEngine.end_step` then
-    divides by the step's item count over all ranks. The hook replaces
-    DDP's default one, which averages over ranks.
+    a communication hook that sums each rank's gradient over ranks;
+    :meth:`~DataParallelEngine.end_step` then divides by the step's item
+    count over all ranks. Each backward is weighted by its item count
+    (:attr:`unit` 1), so that ``.grad`` is the gradient of the rank's summed
+    loss. With ``fp16``, a weight of ``c`` times the GradScaler's scale
+    could overflow the float16 gradients of the activations: the unit is
+    then the rank's first count ``u``, and the hook first multiplies by
+    ``factor = u`` (:meth:`set_unit`). The hook replaces
+    DDP's default one, which averages over ranks; like that one, it starts
+    each bucket's all-reduce as soon as the bucket is ready, which overlaps
+    the rest of the backward (see :func:`_scaled_allreduce_hook`).
 
     Parameters
     ----------
@@ -238,8 +246,14 @@ class DDPEngine(DataParallelEngine):
     process_group, shard
       See :class:`DataParallelEngine`.
 
+    fp16 : bool (default=False)
+      Whether the backward passes run under a float16 GradScaler.
+
     Attributes
     ----------
+    unit : float or None
+      1, or None with ``fp16``.
+
     factor : float or torch.Tensor
       What the next all-reduce multiplies this rank's gradient by.
 
@@ -247,12 +261,23 @@ class DDPEngine(DataParallelEngine):
       The number of gradient all-reduces so far: one per DDP bucket and
       step.
 
+    pending : list
+      The all-reduces of the running backward, still in flight.
+
     """
 
-    def __init__(self, module, process_group=None, shard=False):
+    def __init__(self, module, process_group=None, shard=False, fp16=False):
+        if getattr(module, 'static_graph', False):
+            raise ValueError(
+                "Gradient accumulation runs all backward passes of a step but "
+                "the last under DistributedDataParallel's no_sync(), which a "
+                "module wrapped with static_graph=True does not support; wrap "
+                "it without static_graph.")
         super().__init__(module, process_group=process_group, shard=shard)
+        self.unit = None if fp16 else 1.0
         self.factor = 1.0
         self.allreduces = 0
+        self.pending = []
         module.register_comm_hook(self, _scaled_allreduce_hook)
 
     def may_skip(self, is_last):
@@ -268,14 +293,14 @@ class DDPEngine(DataParallelEngine):
         self.factor = 1.0 if unit is None else unit
 
 
-def engine_for(module):
+def engine_for(module, fp16=False, shard=False):
     """Return the engine of ``module``.
 
-    A :class:`DDPEngine` if it is wrapped in DistributedDataParallel, else
-    the single process's :class:`Engine`.
+    A :class:`DDPEngine` (with ``fp16`` and ``shard``) if it is wrapped in
+    DistributedDataParallel, else the single process's :class:`Engine`.
     """
     if isinstance(module, DistributedDataParallel):
-        return DDPEngine(module)
+        return DDPEngine(module, shard=shard, fp16=fp16)
     return Engine(module)
 
 
@@ -296,22 +321,38 @@ def _on_device(value, device):
 
 
 def _scaled_allreduce_hook(state, bucket):
-    """Multiply this rank's bucket by ``state.factor``, then sum over ranks.
+    """Multiply this rank's bucket by ``state.factor``; sum it over ranks.
 
-    The all-reduce runs in the calling thread and the hook returns a future
-    that is already complete. A Python callback chained to an asynchronous
-    all-reduce (``future.then(...)``) would run, and be freed, on one of
-    gloo's worker threads a moment after the step has moved on; a process
-    that exits in that moment aborts with ``terminate called without an
-    active exception``, as the thread cannot take the GIL of an interpreter
-    that is shutting down. With NCCL the call still returns at once: the
-    all-reduce is ordered on the device's stream.
+    The all-reduce is asynchronous, so that it overlaps the backward of the
+    layers before the bucket (on gloo's threads, or NCCL's stream), as with
+    DDP's default hook. The future that DDP waits for is completed at the
+    end of the backward, in the thread that ran it: the first bucket of a
+    backward queues :func:`_complete_allreduces` with the autograd engine,
+    which runs it after the last bucket and before DDP's own finalizer. No
+    Python callback runs on a communication thread (``future.then(...)``
+    would: a process that exits a moment after the step then aborts with
+    ``terminate called without an active exception``, as that thread cannot
+    take the GIL of an interpreter that is shutting down).
     """
     tensor = bucket.buffer()
-    tensor.mul_(state.factor)
+    if isinstance(state.factor, torch.Tensor) or state.factor != 1:
+        tensor.mul_(state.factor)
     state.allreduces += 1
-    dist.all_reduce(tensor, group=state.process_group)
     future = torch.futures.Future(
         devices=[tensor.device] if tensor.is_cuda else None)
-    future.set_result(tensor)
+    if not state.pending:
+        Variable._execution_engine.queue_callback(
+            functools.partial(_complete_allreduces, state.pending))
+    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    state.pending.append((work, future, tensor))
     return future
+
+
+def _complete_allreduces(pending):
+    """Wait for the backward's all-reduces and complete DDP's futures."""
+    try:
+        for work, future, tensor in pending:
+            work.wait()
+            future.set_result(tensor)
+    finally:
+        pending.clear()

@@ -163,7 +163,7 @@ class ItemCounts:
         count = self._count = float(count)
         if not count:
             self.weight = 0.0
-            if skippable and self.unit is not None:
+            if skippable and self.total:  # after items were seen
                 return False
             self._zeros_held = True
             return True

@@ -499,7 +499,8 @@ class GradAccMixin(StepDecisionMixin):
 
     def make_engine(self):
         """Return a new engine for ``module_``; see :meth:`get_engine`."""
-        return engine_for(getattr(self, 'module_', None))
+        return engine_for(getattr(self, 'module_', None),
+                          fp16=self.mixed_precision == 'fp16')
 
     def run_single_epoch(self, iterator, training, prefix, step_fn,
                          **fit_params):

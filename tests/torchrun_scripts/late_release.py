@@ -6,9 +6,10 @@ gets one more Python callback, which reports the thread that frees it. A
 callback freed on one of gloo's worker threads can be freed after the step
 has moved on; a rank that exits in that moment aborts with ``terminate
 called without an active exception``, since the thread cannot take the GIL
-of an interpreter that is shutting down. A hook whose future is complete
-when it returns (skorch_gradacc's) has its callbacks run and freed in the
-training thread; the script prints a line for each one freed elsewhere.
+of an interpreter that is shutting down. A hook whose future is completed
+in the training thread (skorch_gradacc's, at the end of the backward) has
+its callbacks run and freed there; the script prints a line for each one
+freed elsewhere.
 """
 
 import os

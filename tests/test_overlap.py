@@ -1,0 +1,130 @@
+"""The DDP engine's gradient all-reduce overlaps the backward: 2 gloo ranks.
+
+torchrun starts tests/torchrun_scripts/overlap_worker.py twice. Rank 1's
+backward pauses before its last bucket; rank 0's hook calls must not wait
+for it, DDP's futures must be completed in the thread of the backward (no
+Python callback on a communication thread), both ranks must exit Python
+normally, and the fit must equal plain skorch at the large batch. A
+module wrapped with ``static_graph=True``, which DDP's ``no_sync`` does not
+support, is refused.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from skorch import NeuralNetRegressor
+from torch.nn.parallel import DistributedDataParallel
+
+from skorch_gradacc import GradAccNeuralNetRegressor
+
+from conftest import PARAM_ATOL, regression_data
+
+SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
+sys.path.insert(0, str(SCRIPTS))
+
+from overlap_worker import (  # noqa: E402
+    ACC_STEPS,
+    BATCH_SIZE,
+    DELAY,
+    N_SAMPLES,
+    DDPNet,
+    fp16_module,
+    module,
+)
+
+WORLD_SIZE, TIME_LIMIT = 2, 240
+
+
+@pytest.fixture(scope='module')
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp('overlap')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+         '--nnodes', '1', '--nproc_per_node', str(WORLD_SIZE),
+         str(SCRIPTS / 'overlap_worker.py'), str(out)],
+        capture_output=True, text=True, timeout=TIME_LIMIT,
+        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    # both ranks left Python through its normal exit, which aborts
+    # ('terminate called without an active exception') if a callback of
+    # the hook's is still held by a communication thread
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'terminate called' not in proc.stderr
+    return [torch.load(out / 'rank{}.pt'.format(rank))
+            for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_hook_returns_without_waiting_for_the_other_rank(ranks):
+    calls = ranks[0]['calls']
+    assert len(calls) == ranks[0]['allreduces'] > 0
+    # rank 1 pauses for DELAY seconds in one step: a hook that waited for
+    # its all-reduce would take that long on rank 0
+    assert max(call['seconds'] for call in calls) < DELAY / 2
+    assert not any(call['done_at_return'] for call in calls)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_futures_are_completed_in_the_backward_thread(ranks):
+    for rank in ranks:
+        threads = {call['thread'] for call in rank['calls']}
+        assert threads == {rank['main_thread']}
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_fit_matches_the_large_batch(ranks):
+    X, y = regression_data(N_SAMPLES)
+    torch.manual_seed(0)
+    plain = NeuralNetRegressor(
+        module, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, max_epochs=2,
+        lr=0.05, train_split=None, verbose=0).fit(X, y)
+    expected = plain.module_.state_dict()
+    for rank in ranks:
+        for name, value in expected.items():
+            torch.testing.assert_close(rank['params'][name], value, rtol=0,
+                                       atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_fp16_matches_one_process(ranks):
+    # with fp16, each rank's gradient is in units of its first count, which
+    # the hook multiplies before the sum; the single process is checked
+    # against AMP written by hand in test_mixed_precision.py
+    X, y = regression_data(N_SAMPLES)
+    torch.manual_seed(0)
+    net = GradAccNeuralNetRegressor(
+        fp16_module, acc_steps=ACC_STEPS * WORLD_SIZE, batch_size=BATCH_SIZE,
+        max_epochs=2, lr=0.05, train_split=None, verbose=0,
+        mixed_precision='fp16').fit(X.astype('float32'), y.astype('float32'))
+    # the scaler's first scale, 2**16, overflows in the first steps
+    skipped = net.history[:, 'skipped_steps']
+    assert sum(skipped) < sum(net.history[:, 'train_batch_count'])
+    for rank in ranks:
+        assert rank['fp16_unit'] is None
+        assert rank['fp16_skipped'] == skipped
+        for name, value in net.module_.state_dict().items():
+            # float32 sums in another order: measured up to 3e-8
+            torch.testing.assert_close(rank['fp16_params'][name], value,
+                                       rtol=0, atol=1e-6)
+
+
+def test_a_static_graph_is_refused_with_the_reason(tmp_path):
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        net = DDPNet(lambda: DistributedDataParallel(
+            module(), static_graph=True), acc_steps=ACC_STEPS,
+            batch_size=BATCH_SIZE, max_epochs=1, train_split=None, verbose=0)
+        X, y = regression_data(N_SAMPLES)
+        with pytest.raises(ValueError, match='static_graph=True'):
+            net.fit(X, y)
+    finally:
+        dist.destroy_process_group()
