@@ -22,47 +22,37 @@ between the two models' parameters at the end (float32).
 
 import contextlib
 import itertools
-import json
 import os
 import sys
 
 import torch
+import torch.distributed as dist
+from skorch.dataset import Dataset
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from benchmarks import harness
+from benchmarks.workloads import mlp
+from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetClassifier
 
 N_ROWS, N_FEATURES, HIDDEN, BATCH_SIZE, ACC_STEPS = 2048, 256, 1536, 32, 4
 
 
 def module():
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(N_FEATURES, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 10))
+    return mlp(N_FEATURES, HIDDEN, n_layers=3)
 
 
 def time_epochs(rounds):
-    """On each rank: time both contenders; rank 0 prints the times."""
-    import torch.distributed as dist
-    from skorch.dataset import Dataset
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
-
-    from skorch_gradacc import GradAccNeuralNetClassifier
-    from skorch_gradacc.distributed import DistributedGradAccMixin
-
-    class DDPNet(DistributedGradAccMixin, GradAccNeuralNetClassifier):
-        pass
-
-    dist.init_process_group('gloo')
+    """On each rank: time both contenders, return the times and the diff."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(1)
     X = torch.randn(N_ROWS, N_FEATURES, generator=generator)
     y = torch.randint(0, 10, (N_ROWS,), generator=generator)
-    net = DDPNet(module, criterion=torch.nn.CrossEntropyLoss, lr=0.01,
-                 acc_steps=ACC_STEPS, batch_size=BATCH_SIZE, max_epochs=1,
-                 train_split=None, verbose=0, check_loss=False).initialize()
+    net = type('DDPNet', (DistributedGradAccMixin, GradAccNeuralNetClassifier), {})(
+        module, criterion=torch.nn.CrossEntropyLoss, lr=0.01, acc_steps=ACC_STEPS,
+        batch_size=BATCH_SIZE, max_epochs=1, train_split=None, verbose=0,
+        check_loss=False).initialize()  # the check runs once per fit
 
     # the hand-written loop: this rank's micro-batches of net's iterator
     loader = net.get_iterator(Dataset(X, y), training=True)
@@ -84,31 +74,25 @@ def time_epochs(rounds):
             optimizer.zero_grad()
 
     times = harness.interleave({
-        'gradacc': lambda: net.partial_fit(X, y),
-        'hand': hand_epoch}, rounds)
+        'gradacc': lambda: net.partial_fit(X, y), 'hand': hand_epoch}, rounds)
     diff = max((a - b).abs().max().item() for a, b in zip(
         net.module_.module.parameters(), ddp.module.parameters()))
-    if rank == 0:
-        print(json.dumps({'times': times, 'max_param_diff': diff}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip Python's teardown, where gloo can abort
+    return {'times': times, 'max_param_diff': diff}
 
 
 def main(argv=None):
     parser = harness.parser('benchmarks.ddp_overlap', __doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=7)
     args = parser.parse_args(argv)
-    run = harness.torchrun('benchmarks.ddp_overlap', 'worker', str(args.rounds))
+    run = harness.torchrun(time_epochs, args.rounds, malloc='default')[0]
     ratios = {kind: harness.summary(
         [a / b for a, b in zip(run['times'][kind]['gradacc'],
                                run['times'][kind]['hand'])])
         for kind in ('wall', 'cpu')}
     result = {'rows': N_ROWS, 'batch_size': BATCH_SIZE, 'acc_steps': ACC_STEPS,
               'parameters': sum(p.numel() for p in module().parameters()),
-              'ratio': ratios, **run, 'provenance': harness.provenance(
-                  'benchmarks.ddp_overlap', sys.argv[1:])}
+              'ratio': ratios, **run,
+              'meta': harness.provenance('benchmarks.ddp_overlap', sys.argv[1:])}
     print('GradAcc / hand-written DDP loop, per epoch: wall {:.3f}x '
           '({:.3f}x to {:.3f}x), CPU {:.3f}x; max param diff {:.1e}; load '
           'average {:.1f}'.format(
@@ -119,7 +103,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    if sys.argv[1:2] == ['worker']:
-        time_epochs(int(sys.argv[2]))
-    else:
-        main()
+    main()
