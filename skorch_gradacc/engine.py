@@ -116,9 +116,7 @@ class Engine:
         Divides ``.grad`` by the group's count, in units of ``u``
         (:meth:`~skorch_gradacc.item_counts.ItemCounts.factor`).
         """
-        factor = counts.factor()
-        if isinstance(factor, torch.Tensor) or factor != 1:
-            scale_gradients(learnable_gradients(net), factor)
+        scale_gradients(learnable_gradients(net), counts.factor())
         return counts.loss()
 
     def all_ranks(self, ok):

@@ -55,11 +55,6 @@ class ItemCounts:
       ``rescale(factor)`` multiplies all gradients in place by a number or
       a one-element tensor.
 
-    zero : callable or None (default=None)
-      ``zero()`` clears the gradients. With ``rescale``, the gradient of
-      item-less micro-batches with Python counts, held since the start of
-      the group, is cleared when the first item arrives.
-
     unit : float or None (default=None)
       A fixed unit, the same on every rank (FSDP2, which cannot rescale
       before its reduce-scatter); None: the first positive count.
@@ -89,16 +84,14 @@ class ItemCounts:
 
     host_devices = frozenset({'cpu'})
 
-    def __init__(self, rescale=None, zero=None, unit=None, name='count'):
+    def __init__(self, rescale=None, unit=None, name='count'):
         self.rescale = rescale
-        self.zero = zero
         self.name = name
         self.summed = None
         self.unit = unit
         self.total = 0.0
         self.weight = None
         self._count = None  # the count of the micro-batch in progress
-        self._zeros_held = False  # .grad holds gradients of item-less ones
         self._losses = []
 
     def check(self, count, summed_ok=True):
@@ -163,18 +156,10 @@ class ItemCounts:
         count = self._count = float(count)
         if not count:
             self.weight = 0.0
-            if skippable and self.unit is not None:
-                return False
-            self._zeros_held = True
-            return True
-        if self.rescale is None:
-            if self.unit is None:
-                self.unit = count
-        elif self.unit is None and self._zeros_held and self.zero is not None:
-            self.zero()  # as if the item-less micro-batches were not there
-        elif self.unit is not None and count != self.unit:
+            return not (skippable and self.unit is not None)
+        if self.rescale is not None and self.unit not in (None, count):
             self.rescale(self.unit / count)
-        if self.rescale is not None:
+        if self.unit is None or self.rescale is not None:
             self.unit = count
         self.weight = count / self.unit
         self.total += count
@@ -246,53 +231,35 @@ class ItemCounts:
             return torch.stack(self._losses).sum() / self.total
         return torch.tensor(float('nan'))
 
-    def factor(self, total=None):
-        """Return ``u / total``, what makes ``.grad`` the mean's gradient.
+    def factor(self):
+        """Return ``u / C``, what makes ``.grad`` the mean's gradient.
 
-        Parameters
-        ----------
-        total : float, tensor or None (default=None)
-          The item count to normalize by: the group's own if None, or, in
-          data-parallel training, the count over all processes.
-
-        Returns
-        -------
-        factor : float or tensor
-          1 for summed losses and for a group without items, whose gradient
-          is left as its losses gave it.
-
+        1 for summed losses and for a group without items, whose gradient
+        is left as its losses gave it. A tensor if the total is one.
         """
-        total = self.total if total is None else total
         if self.summed or self.unit is None:
             return 1.0
-        if isinstance(total, torch.Tensor) or isinstance(
-                self.unit, torch.Tensor):
-            reference = total if isinstance(total, torch.Tensor) else self.unit
-            unit, total = (
-                value if isinstance(value, torch.Tensor)
-                else reference.new_full((), float(value))
-                for value in (self.unit, total))
-            return torch.where(total > 0, unit / total.to(unit), 1.0)
-        return self.unit / total if total else 1.0
+        if isinstance(self.total, torch.Tensor):
+            return torch.where(self.total > 0, self.unit / self.total, 1.0)
+        return self.unit / self.total if self.total else 1.0
 
     def normalize(self):
         """Multiply ``.grad`` by :meth:`factor`; once, after the last backward."""
-        factor = self.factor()
-        if isinstance(factor, torch.Tensor) or factor != 1:
-            self.rescale(factor)
+        self.rescale(self.factor())
 
 
 def scale_gradients(grads, factor):
     """Multiply ``grads`` in place by ``factor``, a number or a tensor.
 
+    Nothing is done for a factor of the number 1.
+
     A tensor factor is moved to each gradient's device and dtype, where it
     is read by the kernel, never on the host: one
     :func:`torch._foreach_mul_` per device and dtype.
     """
-    if not grads:
-        return
     if not isinstance(factor, torch.Tensor):
-        torch._foreach_mul_(grads, factor)
+        if grads and factor != 1:
+            torch._foreach_mul_(grads, factor)
         return
     by_kind = {}
     for grad in grads:
