@@ -231,13 +231,9 @@ class MicroBatchGroup:
     def _whole(self):
         if self.keep:
             self.skip_rest()  # pull what is left into the kept list
-            if len(self._kept) == 1:
-                return self._kept[0]
             return concat_outputs(self._kept)
         if self.keep_targets and self._exhausted:
-            targets = (self._targets[0] if len(self._targets) == 1
-                       else concat_outputs(self._targets))
-            return (_ReleasedInputs(), targets)
+            return (_ReleasedInputs(), concat_outputs(self._targets))
         raise RuntimeError(_RELEASED_MESSAGE)
 
     def __len__(self):

@@ -73,6 +73,9 @@ class ItemCounts:
     total : float or tensor
       The group's item count so far.
 
+    count : float, tensor or None
+      The count of the micro-batch last added (None: a summed loss).
+
     weight : float, tensor or None
       The weight of the micro-batch last added (None: a summed loss).
 
@@ -91,7 +94,7 @@ class ItemCounts:
         self.unit = unit
         self.total = 0.0
         self.weight = None
-        self._count = None  # the count of the micro-batch in progress
+        self.count = None
         self._losses = []
 
     def check(self, count, summed_ok=True):
@@ -153,7 +156,7 @@ class ItemCounts:
                 self.total, torch.Tensor):
             self._add_tensor(count)
             return True
-        count = self._count = float(count)
+        count = self.count = float(count)
         if not count:
             self.weight = 0.0
             return not (skippable and self.unit is not None)
@@ -187,16 +190,11 @@ class ItemCounts:
             self.unit = torch.where(positive, count, unit)
         self.weight = count / self.unit  # 0 without items: the unit is > 0
         self.total = self.total + count
-        self._count = count
-
-    @property
-    def count(self):
-        """The count of the micro-batch last added (None: a summed loss)."""
-        return None if self.summed else self._count
+        self.count = count
 
     def add_loss(self, loss):
         """Add the loss of the micro-batch last counted, weighted by its count."""
-        count = self._count
+        count = self.count
         if self.summed:
             self._losses.append(loss)
         elif isinstance(count, torch.Tensor):
@@ -221,15 +219,13 @@ class ItemCounts:
 
         NaN if the group has no item (the mean of nothing).
         """
+        summed = self.loss_sum()
         if self.summed:
-            return torch.stack(self._losses).sum()
+            return summed
         if isinstance(self.total, torch.Tensor):
-            summed = torch.stack(self._losses).sum()
             return summed / self.total.to(device=summed.device,
                                           dtype=summed.dtype)
-        if self.total:
-            return torch.stack(self._losses).sum() / self.total
-        return torch.tensor(float('nan'))
+        return summed / self.total if self.total else torch.tensor(float('nan'))
 
     def factor(self):
         """Return ``u / C``, what makes ``.grad`` the mean's gradient.
