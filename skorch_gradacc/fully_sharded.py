@@ -70,10 +70,6 @@ def _matches(module, shard_classes):
                else type(module).__name__ == cls for cls in shard_classes)
 
 
-def _has_params(module):
-    return next(module.parameters(), None) is not None
-
-
 def default_shard_classes(module):
     """Return the classes whose instances :func:`shard_module` shards.
 
@@ -107,7 +103,7 @@ def units_of(module, shard_classes=None):
             if _matches(child, classes) or (
                     containers and isinstance(parent, (torch.nn.Sequential,
                                                        torch.nn.ModuleList))
-                    and _has_params(child)):
+                    and next(child.parameters(), None) is not None):
                 units.append(child)
             else:
                 visit(child, containers)

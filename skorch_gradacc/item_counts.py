@@ -183,11 +183,9 @@ class ItemCounts:
         if self.unit is None:
             self.unit = torch.where(positive, count, 1.0)
         elif self.rescale is not None:
-            unit = (self.unit if isinstance(self.unit, torch.Tensor)
-                    else self.total.new_full((), self.unit))
             # unit / 0 is inf, never selected
-            self.rescale(torch.where(positive, unit / count, 1.0))
-            self.unit = torch.where(positive, count, unit)
+            self.rescale(torch.where(positive, self.unit / count, 1.0))
+            self.unit = torch.where(positive, count, self.unit)
         self.weight = count / self.unit  # 0 without items: the unit is > 0
         self.total = self.total + count
         self.count = count

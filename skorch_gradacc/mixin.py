@@ -781,21 +781,20 @@ class GradAccMixin(StepDecisionMixin):
             with self.get_engine().context(is_last), self._autocast():
                 step = self.train_step_single(piece, **fit_params)
         finally:
-            if own is None:
-                del self.get_loss
-            else:
+            del self.get_loss
+            if own is not None:
                 self.get_loss = own
         if rescale:
             scale_gradients(learnable_gradients(self), counts.weight)
-        if not calls and counts is not _NO_ITEMS:
-            counts.without_get_loss = True
-        if not calls and (scaler is not None or isinstance(weight, torch.Tensor)
-                          or weight not in (None, 1)):
-            raise RuntimeError(
-                "GradAccMixin weights each micro-batch's loss (and, with "
-                "mixed_precision='fp16', scales it) as it leaves get_loss; an "
-                "override of train_step_single must compute the loss with "
-                "self.get_loss(..., training=True).")
+        if not calls:
+            if (scaler is not None or isinstance(weight, torch.Tensor)
+                    or weight not in (None, 1)):
+                raise RuntimeError(
+                    "GradAccMixin weights each micro-batch's loss (and, with "
+                    "mixed_precision='fp16', scales it) as it leaves get_loss; "
+                    "an override of train_step_single must compute the loss "
+                    "with self.get_loss(..., training=True).")
+            counts.without_get_loss = True  # the next pieces rescale .grad
         if row is not None and self._piece_records_ is not None:
             self._piece_records_.append((counts.count, {
                 key: value for key, value in row.items()
@@ -825,15 +824,14 @@ class GradAccMixin(StepDecisionMixin):
                      if key in values]
             if len(pairs) < 2 or not all(_is_float(value) for _, value in pairs):
                 continue
-            if all(count is None for count, _ in pairs):  # summed losses
-                merged = sum(value for _, value in pairs)
-            else:
-                counted = [(count, value) for count, value in pairs if count]
-                if not counted:
-                    continue
-                merged = (sum(count * value for count, value in counted)
-                          / sum(count for count, _ in counted))
-            row[key] = merged
+            # counts are all None (summed losses) or all numbers; an
+            # item-less piece's value (a mean of nothing) is left out
+            counted = [(count, value) for count, value in pairs if count]
+            if pairs[0][0] is None:
+                row[key] = sum(value for _, value in pairs)
+            elif counted:
+                row[key] = (sum(count * value for count, value in counted)
+                            / sum(count for count, _ in counted))
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
@@ -986,8 +984,7 @@ def _weighted(loss, y_pred, weight, scaler):
     """
     # in float32 at least: a float16 loss times its weight and scale may
     # overflow, and its value must stay the loss's
-    base = (loss.float() if loss.dtype in (torch.float16, torch.bfloat16)
-            else loss)
+    base = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
     if isinstance(weight, torch.Tensor):
         weighted = base * weight.to(base)
     elif weight == 0:
