@@ -126,7 +126,7 @@ def concat_outputs(outputs):
     -------
     output
       One output of the same structure, as the module would have returned
-      for the whole batch.
+      for the whole batch; the output itself if there is only one.
 
     Examples
     --------
@@ -135,6 +135,8 @@ def concat_outputs(outputs):
     torch.Size([3, 3])
 
     """
+    if len(outputs) == 1:
+        return outputs[0]  # not copied
     return _apply(torch.cat, outputs)
 
 

@@ -104,8 +104,7 @@ def positive_int(text):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            'expected a positive integer, got {!r}'.format(text)) from None
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(
             'expected a positive integer, got {!r}'.format(text))
@@ -328,11 +327,11 @@ def format_table(results, args):
             .format(result['label'], max_param_diff(result['net'], reference),
                     result['train_loss'][0], result['train_loss'][-1],
                     result['valid_acc'], result['peak_kib'], result['seconds']))
-    lines.append('')
-    lines.append('act. KiB: peak memory of the tensors saved for backward '
-                 '(activations), measured.')
-    lines.append('seconds: median wall time of {} fit(s) of each run, after '
-                 'a warm-up fit (--repeats).'.format(args.repeats))
+    lines += ['',
+              'act. KiB: peak memory of the tensors saved for backward '
+              '(activations), measured.',
+              'seconds: median wall time of {} fit(s) of each run, after '
+              'a warm-up fit (--repeats).'.format(args.repeats)]
     return '\n'.join(lines)
 
 

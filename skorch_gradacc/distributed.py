@@ -21,12 +21,12 @@ __all__ = ['DistributedGradAccMixin', 'FullyShardedGradAccMixin']  # noqa: F822
 
 
 def __getattr__(name):
-    # FSDP2 (torch.distributed.fsdp) is imported only when it is used
+    # FSDP2 (torch.distributed.fsdp) is imported only when it is used; the
+    # package imports this function too, for skorch_gradacc's own attribute
     if name == 'FullyShardedGradAccMixin':
         from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
         return FullyShardedGradAccMixin
-    raise AttributeError(
-        "module {!r} has no attribute {!r}".format(__name__, name))
+    raise AttributeError("module has no attribute {!r}".format(name))
 
 
 class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,

@@ -33,7 +33,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from skorch_gradacc.grouping import MicroBatchGroups
+from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.item_counts import scale_gradients
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
@@ -118,9 +118,7 @@ class Engine:
         Divides ``.grad`` by the group's count, in units of ``u``
         (:meth:`~skorch_gradacc.item_counts.ItemCounts.factor`).
         """
-        factor = counts.factor()
-        if isinstance(factor, torch.Tensor) or factor != 1:
-            scale_gradients(learnable_gradients(net), factor)
+        scale_gradients(learnable_gradients(net), counts.factor())
         return counts.loss()
 
     def all_ranks(self, ok):
@@ -180,17 +178,14 @@ class DataParallelEngine(Engine):
                 world_size=dist.get_world_size(self.process_group),
                 keep=keep, keep_targets=keep_targets, device=self.device,
                 group=self.process_group)
-        groups = super().groups(micro_batches, acc_steps, keep=keep,
-                                keep_targets=keep_targets)
-        try:
-            len(groups)
-        except TypeError:
+        if length_or_none(micro_batches) is None:
             raise ValueError(
                 "Data-parallel training needs a training iterator with a "
                 "length when it is sharded by its own sampler, so that every "
                 "rank takes the same number of steps; got {!r}.".format(
-                    micro_batches)) from None
-        return groups
+                    micro_batches))
+        return super().groups(micro_batches, acc_steps, keep=keep,
+                              keep_targets=keep_targets)
 
     def end_step(self, net, group, counts):
         """All-reduce the count, loss sum and rows; divide the gradient.

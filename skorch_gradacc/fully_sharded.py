@@ -70,10 +70,6 @@ def _matches(module, shard_classes):
                else type(module).__name__ == cls for cls in shard_classes)
 
 
-def _has_params(module):
-    return next(module.parameters(), None) is not None
-
-
 def default_shard_classes(module):
     """Return the classes whose instances :func:`shard_module` shards.
 
@@ -107,7 +103,7 @@ def units_of(module, shard_classes=None):
             if _matches(child, classes) or (
                     containers and isinstance(parent, (torch.nn.Sequential,
                                                        torch.nn.ModuleList))
-                    and _has_params(child)):
+                    and next(child.parameters(), None) is not None):
                 units.append(child)
             else:
                 visit(child, containers)
@@ -225,21 +221,18 @@ class FullyShardedEngine(DataParallelEngine):
         This rank's pieces, then zero-row ones while another rank has
         pieces; ``is_last`` is the step's last pass over all ranks.
         """
-        pieces = iter(pieces)
+        pieces, template = iter(pieces), None
         current = next(pieces, None)
-        template = None
         while True:
+            more = current is not None and not current[1]
             if current is not None and template is None:
-                template = zero_rows(current[0])
-            any_piece, any_more = self._agree(
-                current is not None, current is not None and not current[1],
-                None)
+                # the zero-row pass of this rank, and of after_error
+                template = self._template = zero_rows(current[0])
+            any_piece, any_more = self._agree(current is not None, more, None)
             if not any_piece:
                 return
             piece = template if current is None else current[0]
-            more = current is not None and not current[1]
             current = None
-            self._template = template  # for after_error
             yield piece, not any_more
             del piece
             if more:
@@ -474,14 +467,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         if not state:  # cpu_offload: only rank 0 gets the full state
             return state
         # the format of a plain optimizer: parameters by their position
-        index = {name: i for i, name in enumerate(self._param_names(optimizer))}
-        return {
-            'state': {index[name]: value
-                      for name, value in state['state'].items()},
-            'param_groups': [dict(group, params=[index[name]
-                                                 for name in group['params']])
-                             for group in state['param_groups']],
-        }
+        names = self._param_names(optimizer)
+        return _renamed(state, {name: i for i, name in enumerate(names)})
 
     def _param_names(self, optimizer):
         names = {param: name for name, param in self.module_.named_parameters()}
@@ -495,14 +482,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             set_model_state_dict(self.module_, state_dict, options=options)
             return
         optimizer = getattr(self, attr)
-        names = self._param_names(optimizer)
-        state_dict = {
-            'state': {names[i]: value
-                      for i, value in state_dict['state'].items()},
-            'param_groups': [dict(group, params=[names[i]
-                                                 for i in group['params']])
-                             for group in state_dict['param_groups']],
-        }
+        state_dict = _renamed(state_dict, self._param_names(optimizer))
         set_optimizer_state_dict(self.module_, optimizer, state_dict,
                                  options=options)
 
@@ -544,3 +524,17 @@ class _FullState:
 
     def load_state_dict(self, state_dict):
         self.net._load_full_state_dict(self.attr, state_dict)
+
+
+def _renamed(state, names):
+    """Return an optimizer state dict whose parameter keys are ``names[key]``.
+
+    Between a plain optimizer's keys (positions) and the parameter names
+    of ``torch.distributed.checkpoint``'s state dicts, either way.
+    """
+    return {
+        'state': {names[key]: value for key, value in state['state'].items()},
+        'param_groups': [dict(group, params=[names[key]
+                                             for key in group['params']])
+                         for group in state['param_groups']],
+    }

@@ -192,26 +192,21 @@ class MicroBatchGroup:
         retry after an out-of-memory error.
 
         """
-        if self._exhausted:
-            if not self.keep:
-                raise RuntimeError(
-                    "The micro-batches of this group were released after "
-                    "their backward pass and cannot be iterated again. "
-                    "GradAccMixin keeps them for an optimizer that evaluates "
-                    "the group again only when it knows one: LBFGS, several "
-                    "optimizers, or an optimizer whose step is not "
-                    "torch.optim's own; to keep them in other cases, set "
-                    "micro_batch_size='auto' on the net.")
-            yield from self._kept
-            return
+        if self._exhausted and not self.keep:
+            raise RuntimeError(
+                "The micro-batches of this group were released after "
+                "their backward pass and cannot be iterated again. "
+                "GradAccMixin keeps them for an optimizer that evaluates "
+                "the group again only when it knows one: LBFGS, several "
+                "optimizers, or an optimizer whose step is not "
+                "torch.optim's own; to keep them in other cases, set "
+                "micro_batch_size='auto' on the net.")
         yield from self._kept
-        while True:
-            micro = self._pull()
-            if micro is _END:
-                break
-            yield micro
-            del micro  # before the next one is pulled
-        self._exhausted = True
+        if not self._exhausted:
+            for micro in iter(self._pull, _END):
+                yield micro
+                del micro  # before the next one is pulled
+            self._exhausted = True
 
     def is_last(self, index):
         """Whether micro-batch ``index`` (from 0) is the group's last one.
@@ -231,13 +226,9 @@ class MicroBatchGroup:
     def _whole(self):
         if self.keep:
             self.skip_rest()  # pull what is left into the kept list
-            if len(self._kept) == 1:
-                return self._kept[0]
             return concat_outputs(self._kept)
         if self.keep_targets and self._exhausted:
-            targets = (self._targets[0] if len(self._targets) == 1
-                       else concat_outputs(self._targets))
-            return (_ReleasedInputs(), targets)
+            return (_ReleasedInputs(), concat_outputs(self._targets))
         raise RuntimeError(_RELEASED_MESSAGE)
 
     def __len__(self):

@@ -55,11 +55,6 @@ class ItemCounts:
       ``rescale(factor)`` multiplies all gradients in place by a number or
       a one-element tensor.
 
-    zero : callable or None (default=None)
-      ``zero()`` clears the gradients. With ``rescale``, the gradient of
-      item-less micro-batches with Python counts, held since the start of
-      the group, is cleared when the first item arrives.
-
     unit : float or None (default=None)
       A fixed unit, the same on every rank (FSDP2, which cannot rescale
       before its reduce-scatter); None: the first positive count.
@@ -78,6 +73,9 @@ class ItemCounts:
     total : float or tensor
       The group's item count so far.
 
+    count : float, tensor or None
+      The count of the micro-batch last added (None: a summed loss).
+
     weight : float, tensor or None
       The weight of the micro-batch last added (None: a summed loss).
 
@@ -89,16 +87,14 @@ class ItemCounts:
 
     host_devices = frozenset({'cpu'})
 
-    def __init__(self, rescale=None, zero=None, unit=None, name='count'):
+    def __init__(self, rescale=None, unit=None, name='count'):
         self.rescale = rescale
-        self.zero = zero
         self.name = name
         self.summed = None
         self.unit = unit
         self.total = 0.0
         self.weight = None
-        self._count = None  # the count of the micro-batch in progress
-        self._zeros_held = False  # .grad holds gradients of item-less ones
+        self.count = None
         self._losses = []
 
     def check(self, count, summed_ok=True):
@@ -160,21 +156,13 @@ class ItemCounts:
                 self.total, torch.Tensor):
             self._add_tensor(count)
             return True
-        count = self._count = float(count)
+        count = self.count = float(count)
         if not count:
             self.weight = 0.0
-            if skippable and self.total:  # after items were seen
-                return False
-            self._zeros_held = True
-            return True
-        if self.rescale is None:
-            if self.unit is None:
-                self.unit = count
-        elif self.unit is None and self._zeros_held and self.zero is not None:
-            self.zero()  # as if the item-less micro-batches were not there
-        elif self.unit is not None and count != self.unit:
+            return not (skippable and self.total)  # after items were seen
+        if self.rescale is not None and self.unit not in (None, count):
             self.rescale(self.unit / count)
-        if self.rescale is not None:
+        if self.unit is None or self.rescale is not None:
             self.unit = count
         self.weight = count / self.unit
         self.total += count
@@ -195,23 +183,16 @@ class ItemCounts:
         if self.unit is None:
             self.unit = torch.where(positive, count, 1.0)
         elif self.rescale is not None:
-            unit = (self.unit if isinstance(self.unit, torch.Tensor)
-                    else self.total.new_full((), self.unit))
             # unit / 0 is inf, never selected
-            self.rescale(torch.where(positive, unit / count, 1.0))
-            self.unit = torch.where(positive, count, unit)
+            self.rescale(torch.where(positive, self.unit / count, 1.0))
+            self.unit = torch.where(positive, count, self.unit)
         self.weight = count / self.unit  # 0 without items: the unit is > 0
         self.total = self.total + count
-        self._count = count
-
-    @property
-    def count(self):
-        """The count of the micro-batch last added (None: a summed loss)."""
-        return None if self.summed else self._count
+        self.count = count
 
     def add_loss(self, loss):
         """Add the loss of the micro-batch last counted, weighted by its count."""
-        count = self._count
+        count = self.count
         if self.summed:
             self._losses.append(loss)
         elif isinstance(count, torch.Tensor):
@@ -236,63 +217,43 @@ class ItemCounts:
 
         NaN if the group has no item (the mean of nothing).
         """
+        summed = self.loss_sum()
         if self.summed:
-            return torch.stack(self._losses).sum()
+            return summed
         if isinstance(self.total, torch.Tensor):
-            summed = torch.stack(self._losses).sum()
             return summed / self.total.to(device=summed.device,
                                           dtype=summed.dtype)
-        if self.total:
-            return torch.stack(self._losses).sum() / self.total
-        return torch.tensor(float('nan'))
+        return summed / self.total if self.total else torch.tensor(float('nan'))
 
-    def factor(self, total=None):
-        """Return ``u / total``, what makes ``.grad`` the mean's gradient.
+    def factor(self):
+        """Return ``u / C``, what makes ``.grad`` the mean's gradient.
 
-        Parameters
-        ----------
-        total : float, tensor or None (default=None)
-          The item count to normalize by: the group's own if None, or, in
-          data-parallel training, the count over all processes.
-
-        Returns
-        -------
-        factor : float or tensor
-          1 for summed losses and for a group without items, whose gradient
-          is left as its losses gave it.
-
+        1 for summed losses and for a group without items, whose gradient
+        is left as its losses gave it. A tensor if the total is one.
         """
-        total = self.total if total is None else total
         if self.summed or self.unit is None:
             return 1.0
-        if isinstance(total, torch.Tensor) or isinstance(
-                self.unit, torch.Tensor):
-            reference = total if isinstance(total, torch.Tensor) else self.unit
-            unit, total = (
-                value if isinstance(value, torch.Tensor)
-                else reference.new_full((), float(value))
-                for value in (self.unit, total))
-            return torch.where(total > 0, unit / total.to(unit), 1.0)
-        return self.unit / total if total else 1.0
+        if isinstance(self.total, torch.Tensor):
+            return torch.where(self.total > 0, self.unit / self.total, 1.0)
+        return self.unit / self.total if self.total else 1.0
 
     def normalize(self):
         """Multiply ``.grad`` by :meth:`factor`; once, after the last backward."""
-        factor = self.factor()
-        if isinstance(factor, torch.Tensor) or factor != 1:
-            self.rescale(factor)
+        self.rescale(self.factor())
 
 
 def scale_gradients(grads, factor):
     """Multiply ``grads`` in place by ``factor``, a number or a tensor.
 
+    Nothing is done for a factor of the number 1.
+
     A tensor factor is moved to each gradient's device and dtype, where it
     is read by the kernel, never on the host: one
     :func:`torch._foreach_mul_` per device and dtype.
     """
-    if not grads:
-        return
     if not isinstance(factor, torch.Tensor):
-        torch._foreach_mul_(grads, factor)
+        if grads and factor != 1:
+            torch._foreach_mul_(grads, factor)
         return
     by_kind = {}
     for grad in grads:

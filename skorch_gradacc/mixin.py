@@ -718,10 +718,8 @@ class GradAccMixin(StepDecisionMixin):
             del step, piece  # frees the piece's graph and outputs
         loss = engine.end_step(self, group, counts)
         self._unscale_gradients()  # callbacks see true gradients
-        y_pred = None
-        if y_preds:
-            y_pred = y_preds[0] if len(y_preds) == 1 else concat_outputs(y_preds)
-        return {'loss': loss, 'y_pred': y_pred}
+        return {'loss': loss,
+                'y_pred': concat_outputs(y_preds) if y_preds else None}
 
     def _pieces(self, group):
         """Yield ``(piece, is_last)`` for the micro-batches of ``group``.
@@ -760,39 +758,23 @@ class GradAccMixin(StepDecisionMixin):
                 self, piece, **fit_params)
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
-        weight, scaler = counts.weight, self._get_grad_scaler()
-        # a train_step_single that computes its loss without get_loss (seen
-        # on an earlier piece): in one process, .grad is rescaled instead
+        weight, scaler, calls = counts.weight, self._get_grad_scaler(), []
+        # a train_step_single that computed its loss without get_loss on an
+        # earlier piece: in one process, .grad is rescaled around it instead
         rescale = (getattr(counts, 'without_get_loss', False)
                    and type(self.get_engine()) is Engine
-                   and not isinstance(weight, torch.Tensor)
-                   and weight not in (None, 0, 1))
+                   and isinstance(weight, float) and weight not in (0, 1))
         if rescale:
             scale_gradients(learnable_gradients(self), 1 / weight)
             weight = 1.0
-        get_loss, calls = self.get_loss, []
+        get_loss = self.get_loss
 
         def weighted_loss(y_pred, y_true, X=None, training=False):
             loss = get_loss(y_pred, y_true, X=X, training=training)
-            if not training:
-                return loss
-            calls.append(True)
-            # in float32 at least: a float16 loss times its weight and scale
-            # may overflow, and its value must stay the loss's
-            base = (loss.float() if loss.dtype in (torch.float16, torch.bfloat16)
-                    else loss)
-            if not isinstance(weight, torch.Tensor) and weight == 0:
-                weighted = sum(0 * out.sum() for out in _tensors(y_pred))
-            elif isinstance(weight, torch.Tensor):
-                weighted = base * weight.to(base)
-            else:
-                weighted = base if weight in (None, 1) else base * weight
-            if scaler is not None:
-                weighted = scaler.scale(weighted)
-            if weighted is loss:
-                return loss  # nothing to weight or scale
-            # the value of the loss, the gradient of the weighted one
-            return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
+            if training:
+                calls.append(True)
+                loss = _weighted(loss, y_pred, weight, scaler)
+            return loss
 
         own = vars(self).get('get_loss')  # e.g. a test's mock
         self.get_loss = weighted_loss  # what train_step_single calls
@@ -800,21 +782,20 @@ class GradAccMixin(StepDecisionMixin):
             with self.get_engine().context(is_last), self._autocast():
                 step = self.train_step_single(piece, **fit_params)
         finally:
-            if own is None:
-                del self.get_loss
-            else:
+            del self.get_loss
+            if own is not None:
                 self.get_loss = own
         if rescale:
             scale_gradients(learnable_gradients(self), counts.weight)
-        if not calls and counts is not _NO_ITEMS:
-            counts.without_get_loss = True
-        weighted = isinstance(weight, torch.Tensor) or weight not in (None, 1)
-        if not calls and (weighted or scaler is not None):
-            raise RuntimeError(
-                "GradAccMixin weights each micro-batch's loss (and, with "
-                "mixed_precision='fp16', scales it) as it leaves get_loss; an "
-                "override of train_step_single must compute the loss with "
-                "self.get_loss(..., training=True).")
+        if not calls:
+            if (scaler is not None or isinstance(weight, torch.Tensor)
+                    or weight not in (None, 1)):
+                raise RuntimeError(
+                    "GradAccMixin weights each micro-batch's loss (and, with "
+                    "mixed_precision='fp16', scales it) as it leaves get_loss; "
+                    "an override of train_step_single must compute the loss "
+                    "with self.get_loss(..., training=True).")
+            counts.without_get_loss = True  # the next pieces rescale .grad
         if row is not None and self._piece_records_ is not None:
             self._piece_records_.append((counts.count, {
                 key: value for key, value in row.items()
@@ -844,15 +825,14 @@ class GradAccMixin(StepDecisionMixin):
                      if key in values]
             if len(pairs) < 2 or not all(_is_float(value) for _, value in pairs):
                 continue
-            if all(count is None for count, _ in pairs):  # summed losses
-                merged = sum(value for _, value in pairs)
-            else:
-                counted = [(count, value) for count, value in pairs if count]
-                if not counted:
-                    continue
-                merged = (sum(count * value for count, value in counted)
-                          / sum(count for count, _ in counted))
-            row[key] = merged
+            # counts are all None (summed losses) or all numbers; an
+            # item-less piece's value (a mean of nothing) is left out
+            counted = [(count, value) for count, value in pairs if count]
+            if pairs[0][0] is None:
+                row[key] = sum(value for _, value in pairs)
+            elif counted:
+                row[key] = (sum(count * value for count, value in counted)
+                            / sum(count for count, _ in counted))
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
@@ -993,6 +973,31 @@ def _as_skorch_step(step):
 
 # the counts of a zero-row pass that stands in for a failed one
 _NO_ITEMS = types.SimpleNamespace(count=0.0, weight=0.0)
+
+
+def _weighted(loss, y_pred, weight, scaler):
+    """Return ``loss``, with the gradient of ``loss`` times ``weight``.
+
+    And times the scale of ``scaler``, a GradScaler or None. ``weight`` is
+    a number, a tensor or None (not weighted); 0 gives a zero gradient
+    through the outputs ``y_pred``, never through the loss, which may be
+    NaN.
+    """
+    # in float32 at least: a float16 loss times its weight and scale may
+    # overflow, and its value must stay the loss's
+    base = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+    if isinstance(weight, torch.Tensor):
+        weighted = base * weight.to(base)
+    elif weight == 0:
+        weighted = sum(0 * out.sum() for out in _tensors(y_pred))
+    else:
+        weighted = base if weight in (None, 1) else base * weight
+    if scaler is not None:
+        weighted = scaler.scale(weighted)
+    if weighted is loss:
+        return loss  # nothing to weight or scale
+    # the value of the loss, the gradient of the weighted one
+    return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
 
 
 def _tensors(output):

@@ -36,26 +36,21 @@ class SkippedStepReport:
     counts the updates that Accelerate applied. A GradAcc net without an
     accelerator of its own answers through this object: true in the
     ``on_batch_end`` of a training batch whose step was skipped, false
-    elsewhere, so epoch-level schedulers always step. A net with
-    ``AccelerateMixin`` has a real accelerator, which takes precedence.
+    elsewhere, so epoch-level schedulers always step. It is a non-data
+    descriptor of the net's class, bound to the net on access, so a net
+    with ``AccelerateMixin`` has a real accelerator, which takes precedence.
     """
 
-    def __init__(self, net):
+    def __init__(self, net=None):
         self.net = net
+
+    def __get__(self, net, owner=None):
+        return self if net is None else SkippedStepReport(net)
 
     @property
     def optimizer_step_was_skipped(self):
         """Whether the training batch that is ending skipped its step."""
         return getattr(self.net, '_batch_step_skipped_', False)
-
-
-class _AcceleratorHook:
-    """A non-data descriptor: an instance's own ``accelerator`` wins."""
-
-    def __get__(self, net, owner=None):
-        if net is None:
-            return self
-        return SkippedStepReport(net)
 
 
 class StepDecisionMixin:
@@ -75,7 +70,7 @@ class StepDecisionMixin:
 
     """
 
-    accelerator = _AcceleratorHook()
+    accelerator = SkippedStepReport()
 
     def on_batch_begin(self, net, batch=None, training=False, **kwargs):
         """Nothing is skipped before a batch's step."""

@@ -323,13 +323,11 @@ class ShardedMicroBatchGroups:
         zero-row micro-batch once one is seen.
         """
         count = length_or_none(self.micro_batches)
-        shard = None
-        if count is not None and count > self.rank:
-            shard = _shard_loader(self.micro_batches, self.rank,
-                                  self.world_size)
+        template = []
+        shard = (_shard_loader(self.micro_batches, self.rank, self.world_size)
+                 if count is not None and count > self.rank else None)
         if shard is not None:
             own = iter(shard)
-            template = []
 
             def load():
                 micro = next(own, _END)
@@ -345,7 +343,6 @@ class ShardedMicroBatchGroups:
             stream = (_OWN if index % self.world_size == self.rank else _OTHER
                       for index in range(count))
             return stream, load, template
-        template = []
 
         def full():
             for index, micro in enumerate(self.micro_batches):
