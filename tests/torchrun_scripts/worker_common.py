@@ -7,9 +7,9 @@ serves many tests. Each scenario starts from the same seed, with a new net,
 and writes to its own folder OUT_DIR/SCENARIO; it ends with each rank's
 ``rank{r}.pt`` (:func:`save_rank`), which the tests take as its mark of
 completion. A scenario that raises writes its traceback to
-OUT_DIR/SCENARIO/error-rank{r}.txt and ends the rank with exit code 1:
-torchrun then stops the other ranks, which could otherwise wait forever in
-a collective, and the scenarios after it leave no output.
+OUT_DIR/SCENARIO/error-rank{r}.txt and ends the rank, as it would end a
+user's script: torchrun then stops the other ranks, which could otherwise
+wait forever in a collective, and the scenarios after it leave no output.
 """
 
 import os
@@ -58,14 +58,9 @@ def run_scenarios(out_dir, scenarios, run_one, backend='gloo',
         try:
             run_one(scenario, folder)
         except BaseException:
-            error = traceback.format_exc()
-            rank = os.environ.get('RANK')
-            (folder / 'error-rank{}.txt'.format(rank)).write_text(error)
-            print('rank {} failed in scenario {}:\n{}'.format(
-                rank, scenario, error), file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            (folder / 'error-rank{}.txt'.format(os.environ.get('RANK'))
+             ).write_text(traceback.format_exc())
+            raise  # as a user's script would: torchrun stops the other ranks
     finish()
 
 
