@@ -7,9 +7,6 @@ large batch, ``8 * acc_steps * world_size = 48`` rows, trained without
 interruption.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +15,7 @@ import torch
 from skorch import NeuralNetRegressor
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
+from torchrun_launch import assert_launch_succeeded, launch
 
 from conftest import PARAM_ATOL, MLPRegressor, RecordParams, regression_data
 
@@ -34,20 +32,12 @@ RESTARTS = ('--standalone', '--max-restarts', '1')
 FRESH_STORE = {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
 
 
-def torchrun(out_dir, engine, nproc, acc_steps, epochs, mode='train',
-             launch=('--standalone',), env=None):
-    env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))
-    return subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', *launch,
-         '--nproc_per_node', str(nproc), str(WORKER), str(out_dir), engine,
-         str(acc_steps), str(epochs), mode],
-        capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
-
-
 def run_ranks(out_dir, engine, nproc, acc_steps, epochs, mode='train',
-              **kwargs):
-    proc = torchrun(out_dir, engine, nproc, acc_steps, epochs, mode, **kwargs)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+              options=('--standalone',), env=None):
+    # a launch for each fit: they resume, restart, change the world size
+    run = launch(WORKER, out_dir, out_dir, engine, acc_steps, epochs, mode,
+                 nproc=nproc, options=options, env=env, timeout=TIME_LIMIT)
+    assert_launch_succeeded(run)
     return [torch.load(out_dir / 'rank{}.pt'.format(rank), weights_only=False)
             for rank in range(nproc)]
 
@@ -132,7 +122,7 @@ def test_a_restart_resumes_as_if_uninterrupted(tmp_path, oracle, engine):
     # rank 1 dies in epoch 4; torchrun restarts both ranks, LoadInitState
     # resumes from epoch 3's checkpoint, and fit trains the 2 epochs left
     ranks = run_ranks(tmp_path, engine, 2, 3, 5, mode='crash',
-                      launch=RESTARTS, env=FRESH_STORE)
+                      options=RESTARTS, env=FRESH_STORE)
     assert [rank['restart'] for rank in ranks] == [1, 1]
     assert all(len(rank['history']) == 5 for rank in ranks)
     assert_matches_oracle(load_plain(tmp_path / 'cp'), oracle, 5)
@@ -142,6 +132,6 @@ def test_a_restart_with_shuffled_data_resumes(tmp_path):
     # the order after a restart is not the uninterrupted run's (the random
     # state is not in the checkpoint), but the run resumes and completes
     ranks = run_ranks(tmp_path, 'ddp', 2, 3, 5, mode='crash_shuffle',
-                      launch=RESTARTS, env=FRESH_STORE)
+                      options=RESTARTS, env=FRESH_STORE)
     assert [rank['restart'] for rank in ranks] == [1, 1]
     assert [len(rank['history']) for rank in ranks] == [5, 5]

@@ -1,11 +1,13 @@
 """Data-parallel training with real processes: 2 ranks, gloo, on the CPU.
 
-torchrun starts tests/torchrun_scripts/ddp_worker.py twice; the ranks save
+torchrun starts tests/torchrun_scripts/ddp_worker.py twice, once for all the
+scenarios of this module that train (the fixture ``ddp``); the ranks save
 what they ended with, and the test compares it with plain skorch in one
 process with ``batch_size * acc_steps * world_size`` (the unions of
 ``acc_steps * world_size`` consecutive micro-batches), in float64.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from test_streaming import (
     ready_batches,
     sequences,
 )
+from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
@@ -36,22 +39,19 @@ WORLD_SIZE, BATCH_SIZE, ACC_STEPS = 2, 8, 3
 STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
               lr=0.01)
 TIME_LIMIT = 240
+# the scenarios of the one launch for this module's tests, at 2 gloo ranks;
+# accelerate last (Accelerate's state lives as long as the process)
+SCENARIOS = ['samples', 'auto', 'shuffle', 'tokens', 'bucket', 'iterable']
+if importlib.util.find_spec('accelerate'):
+    SCENARIOS.append('accelerate')
+LAUNCH_LIMIT = 480
 
 
-def torchrun(out_dir, scenario, nproc=WORLD_SIZE, backend='gloo'):
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    return subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nnodes', '1', '--nproc_per_node', str(nproc), str(WORKER),
-         str(out_dir), scenario, backend],
-        capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
-
-
-def run_ranks(tmp_path, scenario, nproc=WORLD_SIZE, backend='gloo'):
-    proc = torchrun(tmp_path, scenario, nproc=nproc, backend=backend)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(tmp_path / 'rank{}.pt'.format(rank))
-            for rank in range(nproc)]
+@pytest.fixture(scope='module')
+def ddp(tmp_path_factory):
+    """One torchrun launch of the worker for all of SCENARIOS."""
+    return launch_scenarios(WORKER, tmp_path_factory.mktemp('ddp'), SCENARIOS,
+                            timeout=LAUNCH_LIMIT)
 
 
 def single_process(net_cls, X, y=None, **kwargs):
@@ -85,9 +85,19 @@ def classifier(n_samples, **kwargs):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_rows_that_fill_no_whole_step_leave_a_rank_empty(tmp_path):
-    ranks = run_ranks(tmp_path, 'samples')
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_the_launch_of_all_scenarios_succeeds(ddp):
+    # every scenario completed and every rank tore down cleanly; a test
+    # whose own scenario failed says so with the launch's output
+    assert_launch_succeeded(ddp)
+    assert sorted(path.name for path in ddp.out_dir.iterdir()) == sorted(
+        SCENARIOS)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_rows_that_fill_no_whole_step_leave_a_rank_empty(ddp):
+    ranks = ddp.ranks('samples')
     # 195 rows: 25 micro-batches of 8 rows but the last (3); 5 steps of 6
     # micro-batches per epoch, the last of one: rank 1 trains on zero rows
     assert [rank['steps'] for rank in ranks] == [2 * 5, 2 * 5]
@@ -99,32 +109,32 @@ def test_rows_that_fill_no_whole_step_leave_a_rank_empty(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_out_of_memory_on_one_rank_backs_off_and_replays(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
     # micro_batch_size='auto' where only rank 1 runs out of memory above 4
     # rows: it backs off and replays, and the update is unchanged
-    ranks = run_ranks(tmp_path, 'auto')
+    ranks = ddp.ranks('auto')
     assert ranks[1]['micro_batch_size_'] == 4
     assert_same_as_single_process(ranks, classifier(195))
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_shuffled_data_over_two_epochs(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_shuffled_data_over_two_epochs(ddp):
     # the ranks are seeded differently; every rank draws rank 0's order,
     # that of the single process, from rank 0's broadcast random state
-    ranks = run_ranks(tmp_path, 'shuffle')
+    ranks = ddp.ranks('shuffle')
     assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 203
     assert_same_as_single_process(
         ranks, classifier(203, iterator_train__shuffle=True))
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_uneven_item_counts_are_normalized_globally(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_uneven_item_counts_are_normalized_globally(ddp):
     # token counts differ between ranks in every step; averaging the ranks'
     # means (DDP's default) would not give the large batch's mean
-    ranks = run_ranks(tmp_path, 'tokens')
+    ranks = ddp.ranks('tokens')
     X, y = token_data(100)
     counts = [(y[rank * BATCH_SIZE:(rank + 1) * BATCH_SIZE] != IGNORE).sum()
               for rank in range(WORLD_SIZE)]
@@ -137,11 +147,11 @@ def test_uneven_item_counts_are_normalized_globally(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_bucketing_batch_sampler_with_dynamic_padding(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_bucketing_batch_sampler_with_dynamic_padding(ddp):
     # micro-batches of 4 sequences of similar lengths, padded to their own
     # longest; the reference's batches are the unions of 6 consecutive ones
-    ranks = run_ranks(tmp_path, 'bucket')
+    ranks = ddp.ranks('bucket')
     seqs = sequences()
     net = single_process(
         NeuralNet, SequenceDataset(seqs), module=TokenLM, batch_size=1,
@@ -153,10 +163,10 @@ def test_bucketing_batch_sampler_with_dynamic_padding(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_iterable_dataset_of_micro_batches(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_iterable_dataset_of_micro_batches(ddp):
     # no length: every rank reads the stream and keeps its own micro-batches
-    ranks = run_ranks(tmp_path, 'iterable')
+    ranks = ddp.ranks('iterable')
     net = single_process(
         NeuralNet, StreamedBatches(ready_batches(ACC_STEPS * WORLD_SIZE)),
         module=TokenLM, batch_size=None, **STREAM)
@@ -171,7 +181,10 @@ def test_nccl_on_every_gpu_matches_single_process(tmp_path):
     # NCCL refuses collectives on CPU tensors: the count, loss and rows of
     # each step must be all-reduced on the gradients' device
     n_gpus = torch.cuda.device_count()
-    ranks = run_ranks(tmp_path, 'samples', nproc=n_gpus, backend='nccl')
+    run = launch_scenarios(WORKER, tmp_path, ['samples'], 'nccl',
+                           nproc=n_gpus, timeout=TIME_LIMIT)
+    assert_launch_succeeded(run)
+    ranks = run.ranks('samples', nproc=n_gpus)
     assert sum(rank['rows'] for rank in ranks) == 2 * 195
     assert_same_as_single_process(
         ranks, classifier(195, batch_size=BATCH_SIZE * ACC_STEPS * n_gpus))
@@ -180,18 +193,19 @@ def test_nccl_on_every_gpu_matches_single_process(tmp_path):
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_a_failing_rank_does_not_hang(tmp_path):
-    proc = torchrun(tmp_path, 'raise')
-    assert proc.returncode != 0
-    assert 'rank 1 fails on purpose' in proc.stdout + proc.stderr
-    assert not (tmp_path / 'rank0.pt').exists()
-    # a hang would have raised subprocess.TimeoutExpired in torchrun
+    # a launch of its own: the failing rank ends it
+    run = launch_scenarios(WORKER, tmp_path, ['raise'], timeout=TIME_LIMIT)
+    assert not run.timed_out  # a hang
+    assert run.returncode != 0
+    assert 'rank 1 fails on purpose' in run.output
+    assert not (tmp_path / 'raise' / 'rank0.pt').exists()
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_accelerate_mixin_under_torchrun(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_accelerate_mixin_under_torchrun(ddp):
     pytest.importorskip('accelerate')
-    ranks = run_ranks(tmp_path, 'accelerate')
+    ranks = ddp.ranks('accelerate')
     # 192 samples: the prepared loader hands the batches of 8 rows to the
     # ranks in turn, 12 per rank and epoch: 4 steps of 3
     for rank in ranks:

@@ -1,8 +1,9 @@
 """Fully sharded data parallel (FSDP2) with real processes: 2 gloo ranks.
 
-torchrun starts tests/torchrun_scripts/fsdp_worker.py twice; rank 0 writes the
-net's full checkpoint with ``save_params``, and the tests compare it with
-plain skorch in one process with ``batch_size * acc_steps * world_size``.
+torchrun starts tests/torchrun_scripts/fsdp_worker.py twice, once for all the
+scenarios of this module (the fixture ``fsdp``); rank 0 writes each net's full
+checkpoint with ``save_params``, and the tests compare it with plain skorch in
+one process with ``batch_size * acc_steps * world_size``.
 """
 
 import os
@@ -19,6 +20,7 @@ from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
+from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
 from skorch_gradacc import FullyShardedGradAccMixin, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import units_of
@@ -44,22 +46,24 @@ from fsdp_worker import (  # noqa: E402
 WORKER = DISTRIBUTED / 'fsdp_worker.py'
 WORLD_SIZE = 2
 TIME_LIMIT = 240
+# the scenarios of the one launch for this module's tests, at 2 gloo ranks
+SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
+             'resume', 'micro', 'auto', 'iterable', 'skip', 'masked',
+             'sampler']
+LAUNCH_LIMIT = 480
 
 
-def torchrun(out_dir, scenario, script=WORKER, nproc=WORLD_SIZE):
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    return subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nnodes', '1', '--nproc_per_node', str(nproc), str(script),
-         str(out_dir), scenario],
-        capture_output=True, text=True, timeout=TIME_LIMIT, env=env)
+@pytest.fixture(scope='module')
+def fsdp(tmp_path_factory):
+    """One torchrun launch of the worker for all of SCENARIOS."""
+    return launch_scenarios(WORKER, tmp_path_factory.mktemp('fsdp'), SCENARIOS,
+                            timeout=LAUNCH_LIMIT)
 
 
-def run_ranks(tmp_path, scenario, nproc=WORLD_SIZE):
-    proc = torchrun(tmp_path, scenario, nproc=nproc)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(tmp_path / 'rank{}.pt'.format(rank))
-            for rank in range(nproc)]
+@pytest.fixture(scope='module')
+def oracle():
+    """The single process that most scenarios match: plain_classifier()."""
+    return plain_classifier()
 
 
 def single_process(net_cls, X, y, max_epochs=2, world_size=WORLD_SIZE,
@@ -101,22 +105,33 @@ def assert_losses_equal(ranks, net):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_the_launch_of_all_scenarios_succeeds(fsdp):
+    # every scenario completed and every rank tore down cleanly; a test
+    # whose own scenario failed says so with the launch's output
+    assert_launch_succeeded(fsdp)
+    assert sorted(path.name for path in fsdp.out_dir.iterdir()) == sorted(
+        SCENARIOS)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('scenario, reduce_scatters', [
     ('samples', 2 * 5),  # once per step
     ('samples_each', 2 * (4 * ACC_STEPS + 1)),  # once per pass
 ])
-def test_samples_match_single_process(tmp_path, scenario, reduce_scatters):
+def test_samples_match_single_process(fsdp, oracle, scenario, reduce_scatters):
     # 195 rows: 25 micro-batches of 8, 13 on rank 0 and 12 on rank 1; in
     # each epoch's last step rank 0 has one and rank 1 none
-    ranks = run_ranks(tmp_path, scenario)
+    ranks = fsdp.ranks(scenario)
+    out = fsdp.folder(scenario)
     # FSDP's own reduce-scatters, one per Linear unit (the root holds no
     # parameter), in float64
     for rank in ranks:
         assert rank['reduce_scatters'] == 3 * reduce_scatters
         assert rank['reduce_dtypes'] == {DTYPE}
-    net = plain_classifier()
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    net = oracle
+    assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)  # the mean over all ranks, on each
     n_params = sum(param.numel() for param in net.module_.parameters())
     assert sum(rank['shard_numel'] for rank in ranks) == n_params
@@ -126,31 +141,33 @@ def test_samples_match_single_process(tmp_path, scenario, reduce_scatters):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_gradient_clipping_sees_the_whole_gradient(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_gradient_clipping_sees_the_whole_gradient(fsdp, oracle):
     # skorch's GradientNormClipping, on_grad_computed, clips the sharded
     # gradient by the norm of the whole one, as in the single process
-    ranks = run_ranks(tmp_path, 'clip')
-    state = torch.load(tmp_path / 'params.pt')
+    ranks = fsdp.ranks('clip')
+    out = fsdp.folder('clip')
+    state = torch.load(out / 'params.pt')
     net = plain_classifier(callbacks=[GradientNormClipping(CLIP_NORM)])
     assert_params_equal(state, net)
     assert_losses_equal(ranks, net)
-    unclipped = plain_classifier().module_.state_dict()
+    unclipped = oracle.module_.state_dict()
     assert max((state[key] - value).abs().max()
                for key, value in unclipped.items()) > 1e-2
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_bf16_is_fsdp_mixed_precision(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_bf16_is_fsdp_mixed_precision(fsdp, oracle):
     # bf16 parameters in the forward pass, float64 shards, fp32 reductions
-    ranks = run_ranks(tmp_path, 'bf16')
+    ranks = fsdp.ranks('bf16')
+    out = fsdp.folder('bf16')
     for rank in ranks:
         assert rank['forward_dtypes'] == {torch.bfloat16}
         assert rank['shard_dtypes'] == {DTYPE}
         assert rank['reduce_dtypes'] == {torch.float32}
-    net = plain_classifier()
-    state = torch.load(tmp_path / 'params.pt')
+    net = oracle
+    state = torch.load(out / 'params.pt')
     assert all(value.dtype == DTYPE for value in state.values())
     # to bf16's precision, not float64's
     assert_params_equal(state, net, atol=5e-2)
@@ -166,9 +183,12 @@ def test_cuda_nccl_matches_single_process(tmp_path):
     # one rank per GPU (at most 2), NCCL; the CPU's single process is the
     # reference, also with one GPU (then: world size 1)
     nproc = min(torch.cuda.device_count(), WORLD_SIZE)
-    ranks = run_ranks(tmp_path, 'cuda', nproc=nproc)
+    run = launch_scenarios(WORKER, tmp_path, ['cuda'], nproc=nproc,
+                           timeout=TIME_LIMIT)
+    assert_launch_succeeded(run)
+    ranks = run.ranks('cuda', nproc=nproc)
     net = plain_classifier(world_size=nproc)
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_params_equal(torch.load(tmp_path / 'cuda' / 'params.pt'), net)
     assert_losses_equal(ranks, net)
     for rank, figures in enumerate(ranks):
         print('rank {}: torch.cuda.max_memory_allocated = {} bytes'.format(
@@ -176,11 +196,12 @@ def test_cuda_nccl_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_uneven_item_counts_are_normalized_globally(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_uneven_item_counts_are_normalized_globally(fsdp):
     # shuffled; 117 rows: 15 micro-batches, so in each epoch's last step
     # rank 0 has two and rank 1 one, and a zero-row pass
-    ranks = run_ranks(tmp_path, 'tokens')
+    ranks = fsdp.ranks('tokens')
+    out = fsdp.folder('tokens')
     X, y = token_data(N_TOKEN_SAMPLES)
     counts = [(y[rank * BATCH_SIZE:(rank + 1) * BATCH_SIZE] != IGNORE).sum()
               for rank in range(WORLD_SIZE)]
@@ -190,32 +211,33 @@ def test_uneven_item_counts_are_normalized_globally(tmp_path):
                          criterion__ignore_index=IGNORE, lr=0.5,
                          iterator_train__shuffle=True)
     assert train_losses(net.history, 'train_batch_size')[-1] == 117 - 96
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_checkpoint_resumes_and_loads_into_a_plain_net(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_checkpoint_resumes_and_loads_into_a_plain_net(fsdp, oracle):
     # one epoch, save_params, a new net with other weights load_params and
     # trains the second epoch: as two epochs without a break
-    ranks = run_ranks(tmp_path, 'resume')
-    net = plain_classifier()
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    ranks = fsdp.ranks('resume')
+    out = fsdp.folder('resume')
+    net = oracle
+    assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
-    assert len(History.from_file(tmp_path / 'history.json')) == 2
+    assert len(History.from_file(out / 'history.json')) == 2
 
     # the checkpoint after one epoch is a plain net's, optimizer included
-    optimizer_state = torch.load(tmp_path / 'epoch1_optimizer.pt')
+    optimizer_state = torch.load(out / 'epoch1_optimizer.pt')
     assert sorted(optimizer_state['state']) == list(range(6))
     X, y = classification_data(N_SAMPLES)
     plain = NeuralNetClassifier(
         sequential_classifier, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE,
         max_epochs=1, lr=0.1,
         optimizer__momentum=0.9, train_split=None, verbose=0).initialize()
-    plain.load_params(f_params=tmp_path / 'epoch1_params.pt',
-                      f_optimizer=tmp_path / 'epoch1_optimizer.pt',
-                      f_history=tmp_path / 'epoch1_history.json')
+    plain.load_params(f_params=out / 'epoch1_params.pt',
+                      f_optimizer=out / 'epoch1_optimizer.pt',
+                      f_history=out / 'epoch1_history.json')
     plain.partial_fit(X, y)
     for key, value in plain.module_.state_dict().items():
         torch.testing.assert_close(value, net.module_.state_dict()[key],
@@ -223,16 +245,17 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('scenario', ['micro', 'auto', 'iterable'])
-def test_options_match_single_process(tmp_path, scenario):
+def test_options_match_single_process(fsdp, oracle, scenario):
     # micro_batch_size=3: 3 passes for a micro-batch of 8 rows, 1 for the
     # last of 3 and for a zero-row one; 'auto' where only rank 1 runs out
     # of memory above 4 rows: both ranks back off and replay; an iterator
     # of micro-batches without a length
-    ranks = run_ranks(tmp_path, scenario)
-    net = plain_classifier()
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    ranks = fsdp.ranks(scenario)
+    out = fsdp.folder(scenario)
+    net = oracle
+    assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
     if scenario == 'auto':
         for rank in ranks:
@@ -253,18 +276,19 @@ def test_options_match_single_process(tmp_path, scenario):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_a_step_non_finite_on_one_shard_is_skipped_everywhere(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_step_non_finite_on_one_shard_is_skipped_everywhere(fsdp):
     # the second step's gradient is infinite in rank 1's shard only; the
     # single process with acc_steps=k*W skips the same step
-    ranks = run_ranks(tmp_path, 'skip')
+    ranks = fsdp.ranks('skip')
+    out = fsdp.folder('skip')
     torch.manual_seed(0)
     net = GradAccNeuralNetClassifier(
         SpikyClassifier, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS * WORLD_SIZE,
         skip_nonfinite=True, max_epochs=2, lr=0.1, optimizer__momentum=0.9,
         train_split=None, verbose=0).fit(*spiky_data())
     assert net.history[:, 'skipped_steps'] == [1, 1]
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
     for rank in ranks:
         assert rank['steps_skipped'] == train_losses(net.history,
@@ -272,21 +296,22 @@ def test_a_step_non_finite_on_one_shard_is_skipped_everywhere(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_a_micro_batch_without_items_adds_nothing(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_micro_batch_without_items_adds_nothing(fsdp):
     # rank 1's first micro-batch has rows but no item: its masked mean loss
     # is NaN and so is its gradient; its pass must add a zero gradient
-    ranks = run_ranks(tmp_path, 'masked')
+    ranks = fsdp.ranks('masked')
+    out = fsdp.folder('masked')
     net = single_process(NeuralNet, *masked_data(), module=TokenTagger,
                          criterion=MaskedMeanLoss, lr=0.5)
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net)
+    assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_distributed_sampler_gets_set_epoch(tmp_path):
-    ranks = run_ranks(tmp_path, 'sampler')
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_distributed_sampler_gets_set_epoch(fsdp):
+    ranks = fsdp.ranks('sampler')
     for rank in ranks:
         assert rank['sampler_epochs'] == [1, 2]
         first, second = rank['first_rows']
@@ -307,13 +332,14 @@ class SkipsFirstSteps(NeuralNetClassifier):
 
 
 @pytest.mark.slow  # torchrun
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_fp16_scaler_decides_alike_on_every_rank(tmp_path):
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_fp16_scaler_decides_alike_on_every_rank(fsdp):
     # float16 parameters in the forward pass, float32 reductions, and a
     # ShardedGradScaler: each backward is weighted by its count (8), so the
     # scale settles 16 times below 65536 after 4 skipped steps, the same on
     # both ranks
-    ranks = run_ranks(tmp_path, 'fp16')
+    ranks = fsdp.ranks('fp16')
+    out = fsdp.folder('fp16')
     for rank in ranks:
         assert rank['forward_dtypes'] == {torch.float16}
         assert rank['reduce_dtypes'] == {torch.float32}
@@ -322,7 +348,7 @@ def test_fp16_scaler_decides_alike_on_every_rank(tmp_path):
     net = single_process(SkipsFirstSteps, *classification_data(N_SAMPLES),
                          module=sequential_classifier, lr=0.1)
     # to float16's precision; taking any of the skipped steps is 0.13 off
-    assert_params_equal(torch.load(tmp_path / 'params.pt'), net, atol=2e-3)
+    assert_params_equal(torch.load(out / 'params.pt'), net, atol=2e-3)
     np.testing.assert_allclose(ranks[0]['train_losses'],
                                train_losses(net.history), rtol=5e-3)
 

@@ -4,8 +4,6 @@ The oracle is torch itself (what a criterion with ``reduction='mean'``
 divides its sum by) and plain skorch at ``batch_size * acc_steps``.
 """
 
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -15,6 +13,7 @@ import pytest
 import torch
 from skorch import NeuralNet
 from test_normalization import IGNORE, VOCAB, TokenTagger, token_data, token_nets
+from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
 from skorch_gradacc import (
     GradAccNeuralNet,
@@ -337,33 +336,41 @@ def test_the_check_changes_no_state(module):
     assert checked.module_.training == unchecked.module_.training
 
 
-DDP_WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_default_counts.py'
+SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
+DDP_CASES = ['ignore_index', 'weight_smoothing']
+
+
+@pytest.fixture(scope='module')
+def ddp_default_counts(tmp_path_factory):
+    """One torchrun launch of ddp_default_counts.py for both DDP_CASES."""
+    return launch_scenarios(SCRIPTS / 'ddp_default_counts.py',
+                            tmp_path_factory.mktemp('ddp_counts'), DDP_CASES)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('case', ['ignore_index', 'weight_smoothing'])
-def test_default_counts_under_ddp_with_uneven_tokens(case, tmp_path):
+def test_the_launch_of_both_cases_succeeds(ddp_default_counts):
+    assert_launch_succeeded(ddp_default_counts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('case', DDP_CASES)
+def test_default_counts_under_ddp_with_uneven_tokens(case, ddp_default_counts):
     # 2 ranks, micro-batches of 4 rows, acc_steps=3: the large batch is 24
-    from torchrun_scripts.ddp_default_counts import BATCH_SIZE, CASES
+    sys.path.insert(0, str(SCRIPTS))
+    from ddp_default_counts import BATCH_SIZE, CASES
     X, y = token_data(100)
     tokens = [(y[start:start + BATCH_SIZE] != IGNORE).sum()
               for start in range(0, 24, BATCH_SIZE)]
     assert len(set(tokens)) > 2  # the ranks' micro-batches count unlike
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nnodes', '1', '--nproc_per_node', '2', str(DDP_WORKER),
-         str(tmp_path), case], capture_output=True, text=True, timeout=240,
-        env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = ddp_default_counts.ranks(case)
     torch.manual_seed(0)
     plain = NeuralNet(TokenTagger, criterion=torch.nn.CrossEntropyLoss,
                       criterion__ignore_index=IGNORE, batch_size=24,
                       max_epochs=2, lr=0.5, train_split=None, verbose=0,
                       **CASES[case]).fit(X, y)
-    for rank in range(2):
-        saved = torch.load(tmp_path / 'rank{}.pt'.format(rank))
+    for saved in ranks:
         for key, value in plain.module_.state_dict().items():
             torch.testing.assert_close(saved['params'][key], value, rtol=0,
                                        atol=PARAM_ATOL)

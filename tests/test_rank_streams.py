@@ -1,33 +1,35 @@
 """Dropout across ranks: each rank draws its own masks, one shuffled order.
 
-torchrun starts tests/torchrun_scripts/dropout_worker.py on 2 gloo ranks.
+torchrun starts tests/torchrun_scripts/dropout_worker.py on 2 gloo ranks, once
+for both engines.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
+from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'dropout_worker.py'
+ENGINES = ['ddp', 'fsdp']
 N_ROWS = 195
 
 
+@pytest.fixture(scope='module')
+def launch(tmp_path_factory):
+    return launch_scenarios(WORKER, tmp_path_factory.mktemp('dropout'), ENGINES)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
-def test_ranks_draw_their_own_dropout_masks_on_one_order(tmp_path, engine):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nproc_per_node', '2', str(WORKER), str(tmp_path), engine],
-        capture_output=True, text=True, timeout=240,
-        env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / 'rank{}.pt'.format(rank))
-             for rank in range(2)]
+def test_the_launch_of_both_engines_succeeds(launch):
+    assert_launch_succeeded(launch)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('engine', ENGINES)
+def test_ranks_draw_their_own_dropout_masks_on_one_order(launch, engine):
+    ranks = launch.ranks(engine)
     # 25 micro-batches per epoch: 13 on rank 0, 12 on rank 1
     assert [len(passes) for passes in ranks] == [2 * 13, 2 * 12]
     epochs = [(ranks[0][:13], ranks[1][:12]), (ranks[0][13:], ranks[1][12:])]

@@ -1,12 +1,11 @@
 """Validation and inference shared among ranks, against one process.
 
-torchrun starts tests/torchrun_scripts/eval_worker.py on 2 gloo ranks; the
+torchrun starts tests/torchrun_scripts/eval_worker.py on 2 gloo ranks, once
+for the three engines (the fixture ``launch``); the
 oracle is plain skorch in one process at the large batch (48 rows), with
 the same validation batches.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,9 @@ from eval_worker import (  # noqa: E402
     data,
     net_kwargs,
 )
+from torchrun_launch import assert_launch_succeeded, launch_scenarios  # noqa: E402
 
+ENGINES = ['ddp', 'fsdp', 'fsdp-micro']
 SCORES = ['valid_loss', 'valid_acc', 'valid_accuracy', 'valid_nll',
           'valid_bacc']
 
@@ -42,6 +43,17 @@ def single_process():
     return net, net.predict(X_valid), net.predict_proba(X_valid)
 
 
+@pytest.fixture(scope='module')
+def launch(tmp_path_factory):
+    return launch_scenarios(SCRIPTS / 'eval_worker.py',
+                            tmp_path_factory.mktemp('eval'), ENGINES)
+
+
+@pytest.mark.timeout(300)
+def test_the_launch_of_all_engines_succeeds(launch):
+    assert_launch_succeeded(launch)
+
+
 @pytest.mark.timeout(300)
 # evaluation passes per rank over one pass of the validation set: 5
 # rounds, or with micro_batch_size=3 (fsdp-micro) 3 pieces of each 7-row
@@ -49,17 +61,9 @@ def single_process():
 # that FSDP's ranks gather parameters alike
 @pytest.mark.parametrize('engine, passes', [
     ('ddp', 5), ('fsdp', 5), ('fsdp-micro', 4 * 3 + 2)])
-def test_evaluation_is_shared_and_exact(tmp_path, engine, passes,
+def test_evaluation_is_shared_and_exact(launch, engine, passes,
                                         single_process):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nproc_per_node', '2', str(SCRIPTS / 'eval_worker.py'),
-         str(tmp_path), engine],
-        capture_output=True, text=True, timeout=240,
-        env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / 'rank{}.pt'.format(rank),
-                        weights_only=False) for rank in range(2)]
+    ranks = launch.ranks(engine, weights_only=False)
     net, predict, proba = single_process
     for rank in ranks:
         for key in SCORES:

@@ -1,7 +1,8 @@
 """One rank of a data-parallel fit with skorch's checkpoints; started by
 tests/test_checkpoints.py under ``torchrun``.
 
-Usage: checkpoint_worker.py OUT_DIR ENGINE ACC_STEPS EPOCHS [MODE], where
+Usage: checkpoint_worker.py OUT_DIR ENGINE ACC_STEPS EPOCHS [MODE], one fit
+per launch (the tests resume, restart and change the world size), where
 ENGINE is ``ddp`` or ``fsdp``. A regressor trains on 195 rows with 61
 validation rows, ``batch_size=8``, with ``Checkpoint(monitor=None)`` and
 ``LoadInitState`` in OUT_DIR/cp: a run resumes from the files there, and
@@ -25,22 +26,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from skorch.callbacks import Callback, Checkpoint, LoadInitState
+from skorch.dataset import Dataset
+from skorch.helper import predefined_split
+from skorch.history import History
+from worker_common import finish, save_rank  # puts tests/ on sys.path
 
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
-
-from skorch.callbacks import Callback, Checkpoint, LoadInitState  # noqa: E402
-from skorch.dataset import Dataset  # noqa: E402
-from skorch.helper import predefined_split  # noqa: E402
-from skorch.history import History  # noqa: E402
-
-from skorch_gradacc import GradAccNeuralNetRegressor  # noqa: E402
-from skorch_gradacc.distributed import (  # noqa: E402
+# isort: split
+from skorch_gradacc import GradAccNeuralNetRegressor
+from skorch_gradacc.distributed import (
     DistributedGradAccMixin,
     FullyShardedGradAccMixin,
 )
 
-from conftest import MLPRegressor, regression_data  # noqa: E402
+from conftest import MLPRegressor, regression_data
 
 N_TRAIN, N_VALID, BATCH_SIZE = 195, 61, 8
 SAVES = []
@@ -109,16 +108,13 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
             net.save_params(f_params=out_dir / 'rank0_params.pt')
         except RuntimeError as exc:
             error = str(exc)
-    _torch_save({
+    save_rank({
         'saves': SAVES,
         'error': error,
         'restart': int(os.environ.get('TORCHELASTIC_RESTART_COUNT', -1)),
         'history': net.history.to_list(),
-    }, out_dir / 'rank{}.pt'.format(rank))
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+    }, out_dir, save=_torch_save)
+    finish()
 
 
 if __name__ == '__main__':

@@ -1,8 +1,10 @@
-"""One rank of a data-parallel fit; started by tests/test_distributed.py
+"""One rank of data-parallel fits; started by tests/test_distributed.py
 with ``torchrun --nproc_per_node 2`` (on GPUs: one rank per GPU and the
 backend ``nccl``).
 
-Usage: ddp_worker.py OUT_DIR SCENARIO [BACKEND], where SCENARIO is one of
+Usage: ddp_worker.py OUT_DIR SCENARIOS [BACKEND], a comma-separated list of
+(run one after another, see worker_common.py; ``accelerate`` last, since
+Accelerate's state lives as long as the process)
 
 * ``samples``: a classifier on 195 rows, ``batch_size=8``: 25
   micro-batches, the last of 3 rows, so rank 1 has none in the last step;
@@ -16,22 +18,20 @@ Usage: ddp_worker.py OUT_DIR SCENARIO [BACKEND], where SCENARIO is one of
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
   module runs out of memory above 4 rows.
 
-Each rank saves its parameters, history and counters to OUT_DIR/rank{r}.pt.
+Each rank saves its parameters, history and counters to
+OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from skorch import NeuralNetClassifier
+from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
-
-from skorch import NeuralNetClassifier  # noqa: E402
-from test_normalization import IGNORE, TokenTagger, token_data  # noqa: E402
-from test_streaming import (  # noqa: E402
+# isort: split
+from test_normalization import IGNORE, TokenTagger, token_data
+from test_streaming import (
     BucketSampler,
     SequenceDataset,
     StreamedBatches,
@@ -43,14 +43,14 @@ from test_streaming import (  # noqa: E402
     sequences,
 )
 
-from skorch_gradacc import (  # noqa: E402
+from skorch_gradacc import (
     GradAccMixin,
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
 )
-from skorch_gradacc.distributed import DistributedGradAccMixin  # noqa: E402
+from skorch_gradacc.distributed import DistributedGradAccMixin
 
-from conftest import MLPClassifier, classification_data  # noqa: E402
+from conftest import MLPClassifier, classification_data
 
 BATCH_SIZE, ACC_STEPS = 8, 3
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195}
@@ -163,13 +163,7 @@ def make_net_and_data(scenario, rank, device):
         **common), *classification_data(N_SAMPLES[scenario])
 
 
-def main(out_dir, scenario, backend='gloo'):
-    device = 'cpu'
-    if scenario != 'accelerate':  # the accelerator sets up the processes
-        dist.init_process_group(backend)
-        if backend == 'nccl':
-            device = 'cuda:{}'.format(dist.get_rank())
-            torch.cuda.set_device(device)
+def run(scenario, out_dir, device):
     rank = int(os.environ['RANK'])  # set by torchrun
     # The same seed on every rank, except in 'shuffle': there rank 1 draws
     # other initial weights and another order, unless DDP gives it rank
@@ -179,7 +173,7 @@ def main(out_dir, scenario, backend='gloo'):
     net.fit(X, y)
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
-    torch.save({
+    save_rank({
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
         'allreduces': net.engine_.allreduces,
@@ -192,11 +186,19 @@ def main(out_dir, scenario, backend='gloo'):
                          net.history[:, 'batches', :, 'train_loss']],
         'batch_sizes': [[int(size) for size in sizes] for sizes in
                         net.history[:, 'batches', :, 'train_batch_size']],
-    }, Path(out_dir) / 'rank{}.pt'.format(rank))
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+    }, out_dir)
+
+
+def main(out_dir, scenarios, backend='gloo'):
+    device = 'cpu'
+    if backend == 'nccl':
+        device = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
+        torch.cuda.set_device(device)
+    # the accelerator sets up the processes, if it comes first
+    run_scenarios(out_dir, scenarios,
+                  lambda scenario, folder: run(scenario, folder, device),
+                  backend=backend,
+                  init_group=not scenarios.startswith('accelerate'))
 
 
 if __name__ == '__main__':

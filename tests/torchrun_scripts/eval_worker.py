@@ -1,37 +1,32 @@
-"""One rank of a data-parallel fit with validation and scoring; started by
+"""One rank of data-parallel fits with validation and scoring; started by
 tests/test_sharded_evaluation.py under ``torchrun``.
 
-Usage: eval_worker.py OUT_DIR ENGINE, ENGINE ``ddp``, ``fsdp`` or
-``fsdp-micro`` (FSDP with ``micro_batch_size=3``: evaluation in pieces). A
+Usage: eval_worker.py OUT_DIR ENGINES, a comma-separated list of ``ddp``,
+``fsdp`` and ``fsdp-micro`` (FSDP with ``micro_batch_size=3``: evaluation in
+pieces), run one after another (see worker_common.py). For each, a
 classifier trains on 195 rows for 2 epochs (``batch_size=8``,
 ``acc_steps=3``) with 61 validation rows in batches of 7 (9 batches, uneven
 over the ranks), scored by ``EpochScoring`` with and without caching and by
 ``BatchScoring``; then ``predict`` and ``predict_proba`` on the validation
 rows. The module counts the rows and forward passes it evaluates. Each rank
-saves its history, predictions and counts to OUT_DIR/rank{r}.pt.
+saves its history, predictions and counts to OUT_DIR/ENGINE/rank{r}.pt.
 """
 
-import os
 import sys
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from skorch.callbacks import BatchScoring, EpochScoring
+from skorch.dataset import Dataset
+from skorch.helper import predefined_split
+from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
-
-from skorch.callbacks import BatchScoring, EpochScoring  # noqa: E402
-from skorch.dataset import Dataset  # noqa: E402
-from skorch.helper import predefined_split  # noqa: E402
-
-from skorch_gradacc import GradAccNeuralNetClassifier  # noqa: E402
-from skorch_gradacc.distributed import (  # noqa: E402
+# isort: split
+from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc.distributed import (
     DistributedGradAccMixin,
     FullyShardedGradAccMixin,
 )
 
-from conftest import MLPClassifier, classification_data  # noqa: E402
+from conftest import MLPClassifier, classification_data
 
 N_TRAIN, N_VALID, VALID_BATCH = 195, 61, 7
 
@@ -77,27 +72,22 @@ class FSDPNet(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
     pass
 
 
-def main(out_dir, engine):
-    dist.init_process_group('gloo')
+def run(engine, out_dir):
     X, y, X_valid, _ = data()
-    torch.manual_seed(0)  # the same initial weights on every rank
+    CountingMLP.eval_rows = CountingMLP.eval_passes = 0
     net_cls = DDPNet if engine == 'ddp' else FSDPNet
     micro = {'micro_batch_size': 3} if engine == 'fsdp-micro' else {}
     net = net_cls(batch_size=8, acc_steps=3, max_epochs=2, **micro,
                   **net_kwargs())
     net.fit(X, y)
-    torch.save({
+    save_rank({
         'history': net.history.to_list(),
         'predict': net.predict(X_valid),
         'predict_proba': net.predict_proba(X_valid),
         'eval_rows': CountingMLP.eval_rows,
         'eval_passes': CountingMLP.eval_passes,
-    }, Path(out_dir) / 'rank{}.pt'.format(dist.get_rank()))
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+    }, out_dir)
 
 
 if __name__ == '__main__':
-    main(*sys.argv[1:3])
+    run_scenarios(sys.argv[1], sys.argv[2], run)

@@ -1,7 +1,8 @@
-"""One rank of a fully sharded (FSDP2) fit; started by
+"""One rank of fully sharded (FSDP2) fits; started by
 tests/test_fully_sharded.py with ``torchrun --nproc_per_node 2``.
 
-Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
+Usage: fsdp_worker.py OUT_DIR SCENARIOS, a comma-separated list of (run one
+after another, see worker_common.py)
 
 * ``samples``: a classifier on 195 rows, micro-batches of 8,
   ``acc_steps=3``; rank 1 has no micro-batch in each epoch's last step;
@@ -28,31 +29,27 @@ Usage: fsdp_worker.py OUT_DIR SCENARIO, where SCENARIO is
   rank 1's first micro-batch has rows but no item.
 
 Rank 0 saves the net's full checkpoint (``save_params``) and the history
-to OUT_DIR; each rank saves its counters to OUT_DIR/rank{r}.pt.
+to OUT_DIR/SCENARIO; each rank saves its counters to
+OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from skorch.callbacks import Callback, GradientNormClipping
 from skorch.dataset import Dataset
 from torch.utils.data import DistributedSampler, IterableDataset
+from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
-TESTS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TESTS))
+# isort: split
+from test_normalization import IGNORE, TokenTagger, token_data
 
-from test_normalization import IGNORE, TokenTagger, token_data  # noqa: E402
+from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
+from skorch_gradacc.distributed import FullyShardedGradAccMixin
 
-from skorch_gradacc import (  # noqa: E402
-    GradAccNeuralNet,
-    GradAccNeuralNetClassifier,
-)
-from skorch_gradacc.distributed import FullyShardedGradAccMixin  # noqa: E402
-
-from conftest import DTYPE, classification_data  # noqa: E402
+from conftest import DTYPE, classification_data
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
 CLIP_NORM = 0.05
@@ -247,9 +244,7 @@ def fit(scenario, out_dir):
     return net.partial_fit(X, y)
 
 
-def main(out_dir, scenario):
-    out_dir = Path(out_dir)
-    dist.init_process_group('nccl' if scenario == 'cuda' else 'gloo')
+def run(scenario, out_dir):
     # FSDP2's reduce-scatters, as they happen: their number and dtypes
     reduce_scatters = []
     reduce_scatter_single = dist.reduce_scatter_single
@@ -259,13 +254,14 @@ def main(out_dir, scenario):
         return reduce_scatter_single(*args, **kwargs)
 
     dist.reduce_scatter_single = counting_reduce_scatter
-    net = fit(scenario, out_dir)
-    dist.reduce_scatter_single = reduce_scatter_single
-    rank = dist.get_rank()
+    try:
+        net = fit(scenario, out_dir)
+    finally:
+        dist.reduce_scatter_single = reduce_scatter_single
     net.save_params(f_params=out_dir / 'params.pt',
                     f_optimizer=out_dir / 'optimizer.pt',
                     f_history=out_dir / 'history.json')
-    torch.save({
+    save_rank({
         'shard_numel': sum(param.to_local().numel()
                            for param in net.module_.parameters()),
         'max_memory_allocated': (torch.cuda.max_memory_allocated()
@@ -296,11 +292,12 @@ def main(out_dir, scenario):
         'reduce_dtypes': set(reduce_scatters),
         'sampler_epochs': getattr(net, 'sampler_epochs_', None),
         'first_rows': getattr(net, 'first_rows_', None),
-    }, out_dir / 'rank{}.pt'.format(rank))
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
+    }, out_dir)
+
+
+def main(out_dir, scenarios):
+    cuda = 'cuda' in scenarios.split(',')
+    run_scenarios(out_dir, scenarios, run, backend='nccl' if cuda else 'gloo')
 
 
 if __name__ == '__main__':
