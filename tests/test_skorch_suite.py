@@ -56,7 +56,8 @@ def run_suite(mode, tmp_path):
     # for plain skorch as for the GradAcc nets.
     workers = ['-n', '2', '--dist', 'loadfile'] if _has_xdist() else []
     proc = subprocess.run(
-        [sys.executable, '-m', 'pytest', '-p', 'gradacc_swap',
+        [sys.executable, '-m', 'pytest', '-c', str(PLUGIN_DIR / 'pytest.ini'),
+         '-p', 'gradacc_swap',
          *[str(SKORCH_TESTS / path) for path in SUITE[mode]],
          '-p', 'no:cacheprovider', '-W',
          'ignore::pytest.PytestRemovedIn10Warning', *workers],
