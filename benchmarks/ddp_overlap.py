@@ -4,7 +4,7 @@
 
 runs this module under ``torchrun`` on 2 gloo ranks, one torch thread
 each (:func:`benchmarks.harness.torchrun`). Both contenders train the same
-MLP of 5.1 M parameters, ``acc_steps=4`` micro-batches of 32 rows per rank
+MLP of 5.1 M parameters, ``acc_steps=4`` micro-batches of 64 rows per rank
 and step, from the same skorch iterator (rank ``r`` loads micro-batches
 ``r, r + 2, ...``), with SGD:
 
@@ -35,7 +35,7 @@ from benchmarks import harness
 from benchmarks.workloads import mlp
 from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetClassifier
 
-N_ROWS, N_FEATURES, HIDDEN, BATCH_SIZE, ACC_STEPS = 2048, 256, 1536, 32, 4
+N_ROWS, N_FEATURES, HIDDEN, BATCH_SIZE, ACC_STEPS = 8192, 256, 1536, 64, 4
 
 
 def module():
