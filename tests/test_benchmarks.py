@@ -200,7 +200,17 @@ def quoted_results():
                             for entry in by_k.values()] for malloc in rss}
     over = [row['gradacc'] - row['plain_B'] for row in stream['models'].values()
             if row['gradacc'] > row['plain_B']]
+    overlap = json.loads((RESULTS / 'ddp_overlap.json').read_text())
+    assert not overlap['meta']['skorch_gradacc']['modified']
+    assert overlap['max_param_diff'] == 0
     return [
+        "``ddp_overlap.json`` (commit ``{}``".format(
+            overlap['meta']['git_commit']),
+        '{:.3f}x the wall time and {:.3f}x the CPU time, medians of {} '
+        'rounds'.format(overlap['ratio']['wall']['median'],
+                        overlap['ratio']['cpu']['median'],
+                        overlap['ratio']['wall']['n']),
+        '{:.1f} M parameters'.format(overlap['parameters'] / 1e6),
         'commit ``{}``'.format(commits.pop()),
         '{:.2f}x (MLP), {:.2f}x (CNN) and {:.2f}x (transformer)'.format(
             *(ratios[model]['gradacc']['median'] for model in ratios)),
