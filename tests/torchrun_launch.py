@@ -87,6 +87,10 @@ def launch_scenarios(script, out_dir, scenarios, *args, **kwargs):
                   **kwargs)
 
 
-def assert_launch_succeeded(run):
-    """The launch that ran all scenarios exited cleanly, teardown included."""
+def assert_launch_succeeded(run, scenarios=None):
+    """The launch exited cleanly, teardown included, and left a folder for
+    each of ``scenarios`` (if given) and no other."""
     assert run.returncode == 0 and not run.timed_out, run.tail()
+    if scenarios is not None:
+        assert sorted(path.name for path in run.out_dir.iterdir()) == sorted(
+            scenarios)
