@@ -77,19 +77,27 @@ def test_futures_are_completed_in_the_backward_thread(ranks):
         assert threads == {rank['main_thread']}
 
 
+def one_process(net_cls, module, dtype='float64', **kwargs):
+    """The single-process fit the ranks are compared with."""
+    X, y = regression_data(N_SAMPLES)
+    torch.manual_seed(0)
+    net = net_cls(module, max_epochs=2, lr=0.05, train_split=None, verbose=0,
+                  **kwargs)
+    return net.fit(X.astype(dtype), y.astype(dtype))
+
+
+def assert_params_close(params, net, atol):
+    for name, value in net.module_.state_dict().items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=atol)
+
+
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
 def test_fit_matches_the_large_batch(ranks):
-    X, y = regression_data(N_SAMPLES)
-    torch.manual_seed(0)
-    plain = NeuralNetRegressor(
-        module, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, max_epochs=2,
-        lr=0.05, train_split=None, verbose=0).fit(X, y)
-    expected = plain.module_.state_dict()
+    plain = one_process(NeuralNetRegressor, module,
+                        batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE)
     for rank in ranks:
-        for name, value in expected.items():
-            torch.testing.assert_close(rank['params'][name], value, rtol=0,
-                                       atol=PARAM_ATOL)
+        assert_params_close(rank['params'], plain, PARAM_ATOL)
 
 
 @pytest.mark.slow  # torchrun
@@ -98,22 +106,17 @@ def test_fp16_matches_one_process(ranks):
     # with fp16, each rank's gradient is in units of its first count, which
     # the hook multiplies before the sum; the single process is checked
     # against AMP written by hand in test_mixed_precision.py
-    X, y = regression_data(N_SAMPLES)
-    torch.manual_seed(0)
-    net = GradAccNeuralNetRegressor(
-        fp16_module, acc_steps=ACC_STEPS * WORLD_SIZE, batch_size=BATCH_SIZE,
-        max_epochs=2, lr=0.05, train_split=None, verbose=0,
-        mixed_precision='fp16').fit(X.astype('float32'), y.astype('float32'))
+    net = one_process(GradAccNeuralNetRegressor, fp16_module, 'float32',
+                      acc_steps=ACC_STEPS * WORLD_SIZE, batch_size=BATCH_SIZE,
+                      mixed_precision='fp16')
     # the scaler's first scale, 2**16, overflows in the first steps
     skipped = net.history[:, 'skipped_steps']
     assert sum(skipped) < sum(net.history[:, 'train_batch_count'])
     for rank in ranks:
         assert rank['fp16_unit'] is None
         assert rank['fp16_skipped'] == skipped
-        for name, value in net.module_.state_dict().items():
-            # float32 sums in another order: measured up to 3e-8
-            torch.testing.assert_close(rank['fp16_params'][name], value,
-                                       rtol=0, atol=1e-6)
+        # float32 sums in another order: measured up to 3e-8
+        assert_params_close(rank['fp16_params'], net, 1e-6)
 
 
 def test_a_static_graph_is_refused_with_the_reason(tmp_path):
