@@ -689,7 +689,8 @@ class GradAccMixin(StepDecisionMixin):
         engine = self.get_engine()
         keep_y_pred = getattr(self, '_keep_train_y_pred_', False)
         y_preds = []
-        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)')
+        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)',
+                            share=engine.share_unit)
         for piece, is_last in engine.passes(self._pieces(group)):
             if not counts.add(self.count_loss_items(piece),
                               skippable=engine.may_skip(is_last)):

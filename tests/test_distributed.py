@@ -67,7 +67,7 @@ def assert_params_equal(state, net, atol=PARAM_ATOL):
         torch.testing.assert_close(state[key], value.cpu(), rtol=0, atol=atol)
 
 
-def assert_same_as_single_process(ranks, net):
+def assert_same_as_single_process(ranks, net, failed_attempts=0):
     """Each rank ends with the single process's parameters and history."""
     for rank in ranks:
         assert_params_equal(rank['params'], net)
@@ -75,7 +75,8 @@ def assert_same_as_single_process(ranks, net):
                                    net.history[:, 'train_loss'], rtol=1e-10)
         assert rank['batch_sizes'] == net.history[
             :, 'batches', :, 'train_batch_size']
-        assert rank['allreduces'] == rank['steps']  # not one per micro-batch
+        # not one per micro-batch; one more per attempt given up
+        assert rank['allreduces'] == rank['steps'] + failed_attempts
 
 
 def classifier(n_samples, **kwargs):
@@ -112,8 +113,16 @@ def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
     # micro_batch_size='auto' where only rank 1 runs out of memory above 4
     # rows: it backs off and replays, and the update is unchanged
     ranks = ddp.ranks('auto')
-    assert ranks[1]['micro_batch_size_'] == 4
-    assert_same_as_single_process(ranks, classifier(195))
+    assert_same_as_single_process(ranks, classifier(195), failed_attempts=1)
+    # every rank backs off with rank 1 and records it alike: rank 0 learns
+    # of it at the end of its first attempt (its 3 micro-batches of 8)
+    assert ranks[0]['piece_rows'][:4] == [8, 8, 8, 4]
+    assert ranks[1]['piece_rows'][:2] == [8, 4]
+    for rank in ranks:
+        assert rank['micro_batch_size_'] == 4
+        assert max(rank['piece_rows'][rank['piece_rows'].index(4):]) == 4
+        assert rank['backoffs'] == [[[4]] + [None] * 4, [None] * 5]
+        assert rank['epoch_micro_batch_size'] == [4, 4]
 
 
 @pytest.mark.slow  # torchrun
