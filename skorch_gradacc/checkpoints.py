@@ -13,6 +13,10 @@ skorch's ``save_params`` and ``load_params`` as ``torchrun`` users expect
   after every rank has arrived (:func:`wait_for_ranks`), so that no rank
   reads a file while rank 0 still writes it.
 
+Under ``torchrun --max-restarts N``, the net warns at ``initialize`` if
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is not set: without it, restarted
+ranks can hang in ``init_process_group`` (:func:`warn_if_restarts_hang`).
+
 An engine whose states must be gathered from every rank first (FSDP2) sets
 ``save_needs_every_rank`` and overrides :meth:`~RankZeroCheckpointMixin.
 _checkpoint_states`; a ``save_params`` called on some ranks only then fails
@@ -23,10 +27,12 @@ import collections
 import contextlib
 import datetime
 import os
+import warnings
 
 import torch.distributed as dist
 
-__all__ = ['RankZeroCheckpointMixin', 'atomic_files', 'wait_for_ranks']
+__all__ = ['RankZeroCheckpointMixin', 'atomic_files', 'wait_for_ranks',
+           'warn_if_restarts_hang']
 
 
 @contextlib.contextmanager
@@ -103,6 +109,27 @@ def wait_for_ranks(what, timeout):
             "under `if rank == 0:`.".format(what, missing, timeout)) from exc
 
 
+def warn_if_restarts_hang():
+    """Warn if torchrun may restart the ranks on a store they would share.
+
+    torchrun tells its workers how many restarts it allows
+    (``TORCHELASTIC_MAX_RESTARTS``). Unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is set, all attempts share one
+    store, where a restarted rank can read a dead rank's address: its
+    ``init_process_group`` then fails or hangs. The warning comes in the
+    first attempt, before any crash.
+    """
+    restarts = os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')
+    if restarts.isdigit() and int(restarts) > 0 and not os.environ.get(
+            'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'):
+        warnings.warn(
+            "torchrun may restart the ranks (TORCHELASTIC_MAX_RESTARTS={}), "
+            "but restarted ranks can hang in init_process_group on the store "
+            "of the first attempt; launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...".format(
+                restarts), UserWarning, stacklevel=3)
+
+
 def _is_rank_zero():
     return not (dist.is_available() and dist.is_initialized()) or (
         dist.get_rank() == 0)
@@ -130,6 +157,11 @@ class RankZeroCheckpointMixin:
 
     save_needs_every_rank = False
     rank_wait_timeout = 60.0
+
+    def initialize(self):
+        """Initialize the net; warn if torchrun's restarts could hang."""
+        warn_if_restarts_hang()
+        return super().initialize()
 
     def save_params(self, f_params=None, f_optimizer=None, f_criterion=None,
                     f_history=None, use_safetensors=False, **kwargs):

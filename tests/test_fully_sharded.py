@@ -20,6 +20,7 @@ from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
+from torch.utils.data import DistributedSampler
 from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
 from skorch_gradacc import (
@@ -318,10 +319,21 @@ def test_a_micro_batch_without_items_adds_nothing(fsdp):
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_distributed_sampler_gets_set_epoch(fsdp):
     ranks = fsdp.ranks('sampler')
-    for rank in ranks:
-        assert rank['sampler_epochs'] == [1, 2]
-        first, second = rank['first_rows']
-        assert first != second  # another shuffled order each epoch
+    X, _ = classification_data(N_SAMPLES)
+    for number, rank in enumerate(ranks):
+        assert rank['sampler_epochs'] == [0, 1]  # PyTorch's, from 0
+        # what a hand-written loop's sampler gives in epochs 0 and 1
+        orders = []
+        for epoch in range(2):
+            sampler = DistributedSampler(range(N_SAMPLES), seed=0,
+                                         num_replicas=WORLD_SIZE, rank=number)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        assert rank['first_rows'] == [order[:BATCH_SIZE] for order in orders]
+        # the loader is sharded by its sampler already: the rank trains on
+        # all of its sampler's rows, in order, and on no other
+        assert torch.equal(rank['trained_rows'], torch.as_tensor(
+            X[orders[0] + orders[1]]))
 
 
 @pytest.mark.slow  # torchrun

@@ -191,6 +191,14 @@ class FSDPClassifier(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
         return loss
 
 
+    def train_step_single(self, batch, **fit_params):
+        """Keeps the rows trained on, in order, if ``trained_rows_`` is a
+        list."""
+        if getattr(self, 'trained_rows_', None) is not None and len(batch[0]):
+            self.trained_rows_.append(batch[0].detach().clone())
+        return super().train_step_single(batch, **fit_params)
+
+
 class FSDPTokenNet(FullyShardedGradAccMixin, GradAccNeuralNet):
     def count_loss_items(self, batch):
         _, y = batch
@@ -261,6 +269,7 @@ def fit(scenario, out_dir):
     torch.manual_seed(0)  # the same initial weights on every rank
     if scenario != 'resume':
         net = make_net(scenario, X=X).initialize()
+        net.trained_rows_ = [] if scenario == 'sampler' else None
         net.forward_dtypes_ = set()
         first_layer = next(module for module in net.module_.modules()
                            if isinstance(module, torch.nn.Linear))
@@ -327,6 +336,8 @@ def run(scenario, out_dir):
         'reduce_dtypes': set(reduce_scatters),
         'sampler_epochs': getattr(net, 'sampler_epochs_', None),
         'first_rows': getattr(net, 'first_rows_', None),
+        'trained_rows': (torch.cat(net.trained_rows_)
+                         if getattr(net, 'trained_rows_', None) else None),
     }, out_dir)
 
 
