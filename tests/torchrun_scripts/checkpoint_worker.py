@@ -141,11 +141,12 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
     loaded = None
     if mode != 'rank0':
         # every rank saves, rank 0 slowly, and loads what rank 0 wrote
+        # (initialized first: DDP's wrapping waits for every rank)
+        loaded = make_net().initialize()
         final = {'f_params': out_dir / 'final_params.pt'}
         SLOW_SAVES.append(True)
         net.save_params(**final)
         SLOW_SAVES.clear()
-        loaded = make_net().initialize()
         loaded.load_params(**final)
     ddp = engine == 'ddp'
     save_rank({
