@@ -59,6 +59,12 @@ class ItemCounts:
       A fixed unit, the same on every rank (FSDP2, which cannot rescale
       before its reduce-scatter); None: the first positive count.
 
+    share : callable or None (default=None)
+      ``share(count)`` returns the largest of ``count`` over ranks; given,
+      the unit is the first positive one, the same on every rank (FSDP2
+      under fp16, where a unit of 1 would overflow float16 gradients).
+      Every rank must add its counts in step until then.
+
     name : str (default='count')
       What a bad count is called in the error message.
 
@@ -87,8 +93,9 @@ class ItemCounts:
 
     host_devices = frozenset({'cpu'})
 
-    def __init__(self, rescale=None, unit=None, name='count'):
+    def __init__(self, rescale=None, unit=None, name='count', share=None):
         self.rescale = rescale
+        self.share = share
         self.name = name
         self.summed = None
         self.unit = unit
@@ -152,6 +159,9 @@ class ItemCounts:
         if summed:
             self.weight = None
             return True
+        if self.share is not None and self.unit is None:
+            shared = self.share(count)  # on every rank, until one has items
+            self.unit = shared if shared > 0 else None
         if isinstance(count, torch.Tensor) or isinstance(
                 self.total, torch.Tensor):
             self._add_tensor(count)
