@@ -252,6 +252,49 @@ def test_micro_batch_size_is_checked_too():
         net.fit(X, y)
 
 
+class CountingNaN(torch.nn.Module):
+    """A regressor whose output, and so loss, is NaN; counts its forward
+    calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(10, 1, dtype=DTYPE)
+        self.calls = 0
+
+    def forward(self, X):
+        self.calls += 1
+        return self.linear(X) * np.nan
+
+
+def test_the_check_gives_up_after_three_undecided_tries():
+    # each try is three forward passes: the micro-batch and its halves
+    X, y = regression_data(64)
+    net = GradAccNeuralNetRegressor(CountingNaN, batch_size=8, acc_steps=2,
+                                    max_epochs=2, verbose=0, train_split=None)
+    net.fit(X, y)
+    assert net.module_.calls == 2 * 8 + 3 * 3
+    assert not net.loss_check_pending_
+
+
+class NaNFirst(GradAccNeuralNetRegressor):
+    """NaN in the first micro-batch only, then a loss that adds a sum."""
+
+    def get_loss(self, y_pred, y_true, *args, **kwargs):
+        loss = super().get_loss(y_pred, y_true, *args, **kwargs)
+        return loss + 1e-3 * y_pred.abs().sum()
+
+
+def test_an_undecided_try_leaves_the_check_to_the_next_micro_batch():
+    X, y = regression_data(64)
+    X[:8] = np.nan  # no buffer keeps it: the next micro-batch is finite
+    net = NaNFirst(torch.nn.Linear, module__in_features=10,
+                   module__out_features=1, module__dtype=DTYPE, batch_size=8,
+                   acc_steps=2, max_epochs=1, verbose=0, train_split=None)
+    with pytest.warns(LossItemsWarning):
+        net.fit(X, y)
+    assert not net.loss_check_pending_
+
+
 def test_counting_rows_of_a_token_loss_warns():
     class RowsNet(GradAccNeuralNet):
         def count_loss_items(self, batch):
