@@ -204,6 +204,17 @@ class AccumGrad(torch.optim.Optimizer):
     def _opt_called(self, value):
         pass
 
+    @property
+    def _step_count(self):
+        # What older schedulers (torch 2.3) check instead of _opt_called,
+        # adding 1 on every step() call: the updates applied, for the same
+        # warning.
+        return int(self._updated)
+
+    @_step_count.setter
+    def _step_count(self, value):
+        pass
+
     def _grads(self):
         return [param.grad for group in self.param_groups
                 for param in group['params'] if param.grad is not None]

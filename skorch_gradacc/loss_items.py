@@ -131,10 +131,12 @@ def check_loss_is_mean(net, batch, **fit_params):
 
     Returns
     -------
-    checked : bool
-      False if ``batch`` has fewer than two rows, or no items. True,
-      unchecked, in multi-process training and for a batch that is not
-      ``(X, y)``, which skorch's ``get_loss`` does not see.
+    checked : bool or None
+      True once decided; also, unchecked, in multi-process training and for
+      a batch that is not ``(X, y)``, which skorch's ``get_loss`` does not
+      see. False if its three forward passes cannot decide: no items, or a
+      loss that is not finite. None, with no forward pass, if ``batch`` has
+      fewer than two rows.
 
     """
     if (torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -144,7 +146,7 @@ def check_loss_is_mean(net, batch, **fit_params):
         return True  # trained by the user's own train_step_single
     rows = batch_len(batch)
     if rows < 2:
-        return False
+        return None
     parts = [batch] + split_batch(batch, (rows + 1) // 2)
     valid = ItemCounts(name='count_loss_items(batch)').check  # as training
     # the user sees the warnings of the training passes, not these

@@ -56,6 +56,9 @@ from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
 __all__ = ['GradAccMixin']
 
+# the micro-batches the loss check tries before it gives up undecided
+LOSS_CHECK_TRIES = 3
+
 
 class GradAccMixin(StepDecisionMixin):
     """Mixin class that adds exact gradient accumulation to a skorch net.
@@ -151,10 +154,13 @@ class GradAccMixin(StepDecisionMixin):
       sum, if it returns None): the loss of the micro-batch must equal the
       count-weighted mean of the losses of its halves. If not, a
       :class:`~skorch_gradacc.LossItemsWarning` says by how much. The check
-      costs two forward passes of one micro-batch, in eval mode and without
-      gradient; the modules' buffers and the random number generators are
-      left as they were. It is skipped in multi-process training and for
-      batches that are not ``(X, y)``.
+      costs three forward passes (the micro-batch and its halves), in eval
+      mode and without gradient; the modules' buffers and the random number
+      generators are left as they were. If they cannot decide (a loss that
+      is not finite, a micro-batch without items), it tries the next
+      micro-batch, 3 at most: 9 forward passes at most per fit. It is
+      skipped in multi-process training and for batches that are not
+      ``(X, y)``.
 
     Attributes
     ----------
@@ -375,7 +381,9 @@ class GradAccMixin(StepDecisionMixin):
         """
         super().on_train_begin(net, X=X, y=y, **kwargs)
         self.acc_steps_ = None
-        self.loss_check_pending_ = self.check_loss and not len(self.history)
+        # the micro-batches the check may still try
+        self.loss_check_pending_ = (
+            LOSS_CHECK_TRIES if self.check_loss and not len(self.history) else 0)
 
     # The epoch: one batch per group
 
@@ -757,9 +765,11 @@ class GradAccMixin(StepDecisionMixin):
         in the batch's history row are noted with the piece's item count,
         and combined by :meth:`_merge_piece_records` once the group is done.
         """
-        if getattr(self, 'loss_check_pending_', False):
-            self.loss_check_pending_ = not check_loss_is_mean(
-                self, piece, **fit_params)
+        if getattr(self, 'loss_check_pending_', 0):
+            checked = check_loss_is_mean(self, piece, **fit_params)
+            if checked is not None:  # a try: three forward passes
+                self.loss_check_pending_ = (
+                    0 if checked else self.loss_check_pending_ - 1)
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
         weight, scaler, calls = counts.weight, self._get_grad_scaler(), []

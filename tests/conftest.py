@@ -5,6 +5,7 @@ The oracle for most tests is plain skorch with ``batch_size * acc_steps``
 """
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,6 +166,31 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
         np.testing.assert_allclose(
             [row['train_loss'] for row in rows_a],
             [row['train_loss'] for row in rows_b], rtol=rtol)
+
+
+# FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
+# import): below it, the modules that import it are not collected, so that
+# the quick suite runs at the floors (requirements/floor.txt).
+try:
+    import skorch_gradacc.fully_sharded  # noqa: F401
+    HAS_FSDP2 = True
+except ImportError:
+    HAS_FSDP2 = False
+NEEDS_FSDP2 = [
+    'test_fully_sharded.py', 'test_sharded_evaluation.py',
+    'torchrun_scripts/checkpoint_worker.py',
+    'torchrun_scripts/dropout_worker.py', 'torchrun_scripts/eval_worker.py',
+    'torchrun_scripts/fsdp_worker.py',
+]
+collect_ignore = [] if HAS_FSDP2 else NEEDS_FSDP2
+
+
+def pytest_configure(config):
+    # the package's module, collected for its doctests, is outside this
+    # folder, where collect_ignore does not reach
+    if not HAS_FSDP2:
+        config.option.ignore = [*(config.option.ignore or []), str(
+            Path(__file__).parent.parent / 'skorch_gradacc' / 'fully_sharded.py')]
 
 
 # Modules whose every test starts processes, clusters or whole trainings:

@@ -282,6 +282,25 @@ class TestZeroCounts:
         assert max_diff(*snapshots) > 1e-3
         assert max_diff(model, large) <= PARAM_ATOL
 
+    @pytest.mark.parametrize('count_kind', COUNT_KINDS, indirect=True)
+    def test_a_group_without_items_keeps_the_gradient_its_losses_gave(
+            self, count_kind):
+        # counts of 0 with a loss that has a gradient all the same (say, a
+        # penalty): normalize leaves the summed gradient as it is
+        X, y = make_data(12)
+        model, reference = make_model(), make_model()
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1), 3)
+        for Xb, yb in zip(X.split(4), y.split(4)):
+            opt.zero_grad()
+            opt.set_count(as_count(count_kind, yb < 0))  # no item
+            loss_fn(model, Xb, yb).backward()
+            opt.step()
+            loss_fn(reference, Xb, yb).backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        assert opt.stepped
+        assert max_diff(model, make_model()) > 1e-3
+        assert max_diff(model, reference) <= PARAM_ATOL
+
     @pytest.mark.parametrize('count_kind', COUNT_KINDS[1:], indirect=True)
     @pytest.mark.parametrize('sizes', [[3, 5, 2, 4, 1, 6], [4, 4, 4, 4, 4, 1]])
     def test_tensor_counts_of_any_sizes(self, sizes, count_kind):

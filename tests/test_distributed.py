@@ -8,9 +8,6 @@ process with ``batch_size * acc_steps * world_size`` (the unions of
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -34,7 +31,7 @@ from test_streaming import (
     sequences,
 )
 from torch.utils.data import DistributedSampler
-from torchrun_launch import assert_launch_succeeded, launch_scenarios
+from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
@@ -243,13 +240,10 @@ def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
     block = text[start:text.index('and run it on one machine')]
     script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
     (tmp_path / 'train.py').write_text(script + '\n')
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nproc_per_node', str(WORLD_SIZE), str(LATE_RELEASE), 'train.py'],
-        cwd=tmp_path, capture_output=True, text=True, timeout=TIME_LIMIT,
-        env=dict(os.environ, OMP_NUM_THREADS='1'))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    run = launch(LATE_RELEASE, tmp_path, 'train.py', cwd=tmp_path,
+                 timeout=TIME_LIMIT)
+    out = run.output
+    assert run.returncode == 0, run.tail()
     assert 'terminate called' not in out
     assert 'freed a hook callback on thread' not in out
     for rank in range(WORLD_SIZE):

@@ -6,9 +6,7 @@ checkpoint with ``save_params``, and the tests compare it with plain skorch in
 one process with ``batch_size * acc_steps * world_size``.
 """
 
-import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from skorch.callbacks import GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
 from torch.utils.data import DistributedSampler
-from torchrun_launch import assert_launch_succeeded, launch_scenarios
+from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 
 from skorch_gradacc import (
     FullyShardedGradAccMixin,
@@ -489,13 +487,8 @@ def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
     block = text[start:text.index('and run it like the DDP script')]
     script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
     (tmp_path / 'train_fsdp.py').write_text(script + '\n')
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nproc_per_node', str(WORLD_SIZE), 'train_fsdp.py'],
-        cwd=tmp_path, capture_output=True, text=True, timeout=TIME_LIMIT,
-        env=dict(os.environ, OMP_NUM_THREADS='1'))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    run = launch('train_fsdp.py', tmp_path, cwd=tmp_path, timeout=TIME_LIMIT)
+    assert run.returncode == 0, run.tail()
 
     recipe = runpy.run_path(str(tmp_path / 'train_fsdp.py'))
     X, _ = make_classification(2000, 20, random_state=0)
@@ -505,4 +498,4 @@ def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
     assert len(plain.optimizer_.state) == 6  # Adam's state for 6 tensors
     predicted = str(plain.predict(X[:5].astype('float32')))
     # the ranks share one stdout, so their lines may interleave
-    assert proc.stdout.count(predicted) == WORLD_SIZE, (predicted, proc.stdout)
+    assert run.stdout.count(predicted) == WORLD_SIZE, (predicted, run.stdout)

@@ -142,6 +142,23 @@ def test_token_losses_match_the_large_batch_without_override(
                                plain_net.history[:, 'train_loss'], rtol=1e-10)
 
 
+def test_an_ignore_index_of_zero_matches_the_large_batch(loss_check_errors):
+    # padding written as class 0: what is counted is the targets that are
+    # not ignore_index, not those that are >= 0
+    X, y = token_data()
+    y[y == IGNORE] = 0
+    assert (y == 0).sum() > (y < 0).sum() == 0
+    acc_net, plain_net = token_nets(GradAccNeuralNet)
+    acc_net.set_params(criterion__ignore_index=0)
+    plain_net.set_params(criterion__ignore_index=0)
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    state = plain_net.module_.state_dict()
+    for key, value in acc_net.module_.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=PARAM_ATOL)
+    np.testing.assert_allclose(acc_net.history[:, 'train_loss'],
+                               plain_net.history[:, 'train_loss'], rtol=1e-10)
+
+
 class TwoHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -250,6 +267,79 @@ def test_micro_batch_size_is_checked_too():
                          max_epochs=1, verbose=0, train_split=None)
     with pytest.warns(LossItemsWarning):
         net.fit(X, y)
+
+
+class SlightlyOff(GradAccNeuralNetRegressor):
+    """A float64 loss off from a mean by 1.25e-7 per row of its batch."""
+
+    def get_loss(self, y_pred, y_true, *args, **kwargs):
+        loss = super().get_loss(y_pred, y_true, *args, **kwargs)
+        return loss * (1 + 1.25e-7 * len(y_true))
+
+
+def test_a_float64_loss_off_by_a_millionth_warns():
+    # float64's tolerance, not float32's (1e3 * eps, 1.2e-4): 16 rows and
+    # their halves of 8 differ by 8 * 1.25e-7
+    X, y = regression_data(64)
+    net = SlightlyOff(Regressor, batch_size=16, acc_steps=2, max_epochs=1,
+                      verbose=0, train_split=None)
+    with pytest.warns(LossItemsWarning, match=r'relative difference 1e-06\)'):
+        net.fit(X, y)
+
+
+def test_a_first_micro_batch_of_one_row_leaves_the_check_to_the_next():
+    # one row has no halves: the check takes the next micro-batch
+    X, y = autoencoder_data()
+    batches = [[0]] + [list(range(start, min(start + 8, len(X))))
+                       for start in range(1, len(X), 8)]
+    net = AutoEncoderNet(AutoEncoder, acc_steps=2, max_epochs=1, verbose=0,
+                         train_split=None, iterator_train__batch_size=1,
+                         iterator_train__batch_sampler=batches)
+    with pytest.warns(LossItemsWarning, match='micro-batch of 8 rows'):
+        net.fit(X, y)
+
+
+class CountingNaN(torch.nn.Module):
+    """A regressor whose output, and so loss, is NaN; counts its forward
+    calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(10, 1, dtype=DTYPE)
+        self.calls = 0
+
+    def forward(self, X):
+        self.calls += 1
+        return self.linear(X) * np.nan
+
+
+def test_the_check_gives_up_after_three_undecided_tries():
+    # each try is three forward passes: the micro-batch and its halves
+    X, y = regression_data(64)
+    net = GradAccNeuralNetRegressor(CountingNaN, batch_size=8, acc_steps=2,
+                                    max_epochs=2, verbose=0, train_split=None)
+    net.fit(X, y)
+    assert net.module_.calls == 2 * 8 + 3 * 3
+    assert not net.loss_check_pending_
+
+
+class NaNFirst(GradAccNeuralNetRegressor):
+    """NaN in the first micro-batch only, then a loss that adds a sum."""
+
+    def get_loss(self, y_pred, y_true, *args, **kwargs):
+        loss = super().get_loss(y_pred, y_true, *args, **kwargs)
+        return loss + 1e-3 * y_pred.abs().sum()
+
+
+def test_an_undecided_try_leaves_the_check_to_the_next_micro_batch():
+    X, y = regression_data(64)
+    X[:8] = np.nan  # no buffer keeps it: the next micro-batch is finite
+    net = NaNFirst(torch.nn.Linear, module__in_features=10,
+                   module__out_features=1, module__dtype=DTYPE, batch_size=8,
+                   acc_steps=2, max_epochs=1, verbose=0, train_split=None)
+    with pytest.warns(LossItemsWarning):
+        net.fit(X, y)
+    assert not net.loss_check_pending_
 
 
 def test_counting_rows_of_a_token_loss_warns():

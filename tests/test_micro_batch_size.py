@@ -21,7 +21,8 @@ from conftest import (
 
 
 class CappedMLP(MLPClassifier):
-    """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
+    """Raises torch.cuda.OutOfMemoryError (torch 2.3 has no
+    torch.OutOfMemoryError) above ``max_rows`` rows, like a GPU
     that cannot hold more; records the rows it saw."""
 
     def __init__(self, max_rows=1000):
@@ -32,7 +33,7 @@ class CappedMLP(MLPClassifier):
     def forward(self, X):
         self.rows_.append(len(X))
         if len(X) > self.max_rows:
-            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
 
@@ -142,7 +143,7 @@ class TestAutoMicroBatchSize:
     def test_without_auto_the_error_propagates(self, clf_data,
                                                micro_batch_size):
         acc_net, _ = micro_nets(micro_batch_size, module__max_rows=10)
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(torch.cuda.OutOfMemoryError):
             fit_seeded(acc_net, *clf_data)
 
 
@@ -209,7 +210,7 @@ class BatchNormCapped(torch.nn.Module):
     def forward(self, X):
         hidden = self.norm(self.hidden(X))
         if len(X) > self.max_rows:
-            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return torch.softmax(self.output(torch.tanh(hidden)), dim=-1)
 
 

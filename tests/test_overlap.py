@@ -9,8 +9,6 @@ module wrapped with ``static_graph=True``, which DDP's ``no_sync`` does not
 support, is refused.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 from skorch import NeuralNetRegressor
 from torch.nn.parallel import DistributedDataParallel
+from torchrun_launch import launch
 
 from skorch_gradacc import GradAccNeuralNetRegressor
 
@@ -43,17 +42,13 @@ WORLD_SIZE, TIME_LIMIT = 2, 240
 @pytest.fixture(scope='module')
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp('overlap')
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-         '--nnodes', '1', '--nproc_per_node', str(WORLD_SIZE),
-         str(SCRIPTS / 'overlap_worker.py'), str(out)],
-        capture_output=True, text=True, timeout=TIME_LIMIT,
-        env=dict(os.environ, OMP_NUM_THREADS='1'))
+    run = launch(SCRIPTS / 'overlap_worker.py', out, out,
+                 options=('--standalone', '--nnodes', '1'), timeout=TIME_LIMIT)
     # both ranks left Python through its normal exit, which aborts
     # ('terminate called without an active exception') if a callback of
     # the hook's is still held by a communication thread
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert 'terminate called' not in proc.stderr
+    assert run.returncode == 0, run.tail()
+    assert 'terminate called' not in run.stderr
     return [torch.load(out / 'rank{}.pt'.format(rank))
             for rank in range(WORLD_SIZE)]
 

@@ -123,6 +123,25 @@ def test_test_extra_names_every_pinned_requirement():
     assert pinned and pinned <= offered, pinned - offered
 
 
+def test_floor_pins_the_lowest_versions_allowed():
+    """requirements/floor.txt pins the lower bound of each of its packages
+    in pyproject.toml (numpy 1.23.2: the first 1.23 with wheels for Python
+    3.11)."""
+    tomllib = pytest.importorskip('tomllib')
+    project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+    bounds = dict(re.fullmatch(r'([\w-]+)>=([\d.]+)(?:,.*)?', req).groups()
+                  for req in project['dependencies']
+                  + project['optional-dependencies']['test']
+                  if '>=' in req)
+    pins = dict(re.findall(r'^([\w-]+)==(\S+)$', (
+        ROOT / 'requirements' / 'floor.txt').read_text(), re.M))
+    for package in ['numpy', 'scikit-learn', 'skorch', 'torch']:
+        assert package in pins, package
+    for package, pin in pins.items():
+        bound = bounds[package].split('.')
+        assert pin.split('.')[:len(bound)] == bound, (package, pin, bound)
+
+
 def test_version_follows_pep_440():
     # the canonical public version scheme of PEP 440, without a local part
     pattern = (r'([1-9][0-9]*!)?(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*'

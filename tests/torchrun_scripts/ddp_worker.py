@@ -86,7 +86,8 @@ class DDPTokenLMNet(CountsMicroBatches, TokenMixin, DistributedGradAccMixin,
 
 
 class CappedMLP(MLPClassifier):
-    """Raises torch.OutOfMemoryError above ``max_rows`` rows."""
+    """Raises torch.cuda.OutOfMemoryError (torch 2.3 has no
+    torch.OutOfMemoryError) above ``max_rows`` rows."""
 
     def __init__(self, max_rows=1000):
         super().__init__()
@@ -94,7 +95,7 @@ class CappedMLP(MLPClassifier):
 
     def forward(self, X):
         if len(X) > self.max_rows:
-            raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
+            raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
 

@@ -10,10 +10,18 @@ completion. A scenario that raises writes its traceback to
 OUT_DIR/SCENARIO/error-rank{r}.txt and ends the rank, as it would end a
 user's script: torchrun then stops the other ranks, which could otherwise
 wait forever in a collective, and the scenarios after it leave no output.
+
+A scenario that hangs ends the same way: under a launch of
+tests/torchrun_launch.py, each scenario, the set-up and the teardown have
+a time limit (:func:`deadline`), past which the rank writes where it waits
+to the scenario's error file and exits.
 """
 
+import contextlib
+import faulthandler
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -30,6 +38,56 @@ def scenario_dir(out_dir, scenario):
     path = Path(out_dir) / scenario
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# seconds a scenario may take, set by tests/torchrun_launch.py; no limit if
+# unset (a worker run by hand)
+LIMIT_VAR = 'SKORCH_GRADACC_TEST_SCENARIO_LIMIT'
+# how much longer faulthandler waits, for a hang that holds the GIL and so
+# keeps the timer's thread from running
+GIL_GRACE = 15
+
+
+@contextlib.contextmanager
+def deadline(what, folder=None):
+    """End the rank if the block runs past the limit in ``$LIMIT_VAR``.
+
+    A rank that waits forever (a collective that another rank never joins)
+    would otherwise hold the launch until the test's own timeout. Past the
+    limit, the rank writes ``what`` it was doing and every thread's stack to
+    stderr and to ``folder/error-rank{r}.txt``, and exits with 1: torchrun
+    then stops the other ranks.
+    """
+    limit = float(os.environ.get(LIMIT_VAR) or 0)
+    if not limit:
+        yield
+        return
+    rank = os.environ.get('RANK')
+
+    def expire():
+        message = ('{} ran past its limit of {:g} s on rank {} (a hang, or a '
+                   'machine too loaded for {}); each thread was at:\n'.format(
+                       what, limit, rank, LIMIT_VAR))
+        files = [sys.stderr]
+        if folder is not None:
+            files.append(open(Path(folder) / 'error-rank{}.txt'.format(rank),
+                              'w'))
+        for file in files:
+            file.write(message)
+            file.flush()
+            faulthandler.dump_traceback(file)
+            file.flush()
+        os._exit(1)
+
+    timer = threading.Timer(limit, expire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(limit + GIL_GRACE, exit=True)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def save_rank(obj, folder, save=torch.save):
@@ -51,12 +109,14 @@ def run_scenarios(out_dir, scenarios, run_one, backend='gloo',
     sets up the process group itself (Accelerate does).
     """
     if init_group:
-        dist.init_process_group(backend)
+        with deadline("the process group's set-up"):
+            dist.init_process_group(backend)
     for scenario in scenarios.split(','):
         folder = scenario_dir(out_dir, scenario)
         torch.manual_seed(0)
         try:
-            run_one(scenario, folder)
+            with deadline('scenario {!r}'.format(scenario), folder):
+                run_one(scenario, folder)
         except BaseException:
             (folder / 'error-rank{}.txt'.format(os.environ.get('RANK'))
              ).write_text(traceback.format_exc())
@@ -66,8 +126,9 @@ def run_scenarios(out_dir, scenarios, run_one, backend='gloo',
 
 def finish():
     """End the rank once every rank is done."""
-    dist.barrier()  # no rank tears down while another still talks
-    dist.destroy_process_group()
+    with deadline('the teardown'):
+        dist.barrier()  # no rank tears down while another still talks
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip Python's teardown, where gloo can abort (docs: scaling out)
