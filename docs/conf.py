@@ -76,9 +76,9 @@ if os.environ.get('SKORCH_GRADACC_INTERSPHINX') == '1':
 # CHANGES.md links to files relative to the repository root, which is what
 # GitHub renders. Inside these docs, point those links at the pages instead:
 # ``docs/how_it_works.rst`` is the page ``how_it_works``, and the README's
-# commands (installation, the demo, the tests) are on the installation page. MyST turns such
-# links into pending cross-references; they are rewritten after reading,
-# before Sphinx resolves them.
+# commands (installation, the demo, the tests) are on the installation
+# page. MyST turns such links into pending cross-references; they are
+# rewritten after reading, before Sphinx resolves them.
 CHANGES_LINKS = {'README.md': 'installation'}
 
 
