@@ -8,11 +8,11 @@ section of the docs' "How it works" for what is held and what was measured.
 
 from skorch_gradacc.accum_grad import AccumGrad
 from skorch_gradacc.callbacks import AccumulationScheduler
+from skorch_gradacc.counting import LossItemsWarning
 from skorch_gradacc.distributed import (
     DistributedGradAccMixin,
     __getattr__,  # noqa: F401 (lazy FSDP2)
 )
-from skorch_gradacc.loss_items import LossItemsWarning
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,

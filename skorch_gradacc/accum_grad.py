@@ -11,8 +11,8 @@ Inside skorch, use :class:`skorch_gradacc.GradAccMixin` instead.
 
 import torch
 
-from skorch_gradacc.batching import is_positive_int
-from skorch_gradacc.item_counts import ItemCounts, scale_gradients
+from skorch_gradacc.batching import check_positive_int
+from skorch_gradacc.counting import ItemCounts, scale_gradients
 
 __all__ = ['AccumGrad']
 
@@ -137,10 +137,7 @@ class AccumGrad(torch.optim.Optimizer):
             raise ValueError(
                 "optimizer must not be LBFGS, which evaluates the loss several "
                 "times per step and so cannot accumulate micro-batches.")
-        if not is_positive_int(acc_steps):
-            raise ValueError(
-                "acc_steps must be a positive integer, got {!r} instead."
-                .format(acc_steps))
+        check_positive_int('acc_steps', acc_steps)
         if grad_scaler is not None and not isinstance(
                 grad_scaler, torch.amp.GradScaler):
             raise TypeError(
@@ -208,8 +205,8 @@ class AccumGrad(torch.optim.Optimizer):
         return [param.grad for group in self.param_groups
                 for param in group['params'] if param.grad is not None]
 
-    def _scale_grads(self, factor):
-        scale_gradients(self._grads(), factor)
+    def _scale_grads(self, scale):
+        scale_gradients(self._grads(), scale)
 
     def zero_grad(self, set_to_none=True):
         """Clear the gradients at the start of a group; else do nothing.

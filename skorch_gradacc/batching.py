@@ -1,21 +1,21 @@
-"""Split a batch into micro-batches and join their outputs again.
+"""Batches, their lengths and their pieces, and the run they flow through.
 
-These helpers know the shapes of data that skorch's iterators yield: usually
-a pair ``(X, y)`` whose members are tensors, numpy arrays, pandas objects, or
-dicts and lists/tuples of those. Splitting is done with
-:func:`skorch.utils.multi_indexing`, so tensors are split into views and no
-data is copied. :func:`is_positive_int` checks a number of micro-batches or
-rows.
+The data is what skorch's iterators yield: usually ``(X, y)`` whose members
+are tensors, arrays, pandas objects, or dicts and sequences of those.
+:func:`split_batch` makes views (:func:`skorch.utils.multi_indexing`), never
+copies. The checks and the ranks here are shared by the package's modules.
 """
 
 import numbers
+import os
+import sys
+from pathlib import Path
 
 import torch
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
-__all__ = ['batch_len', 'concat_outputs', 'detach_outputs', 'is_positive_int',
-           'split_batch']
+__all__ = []
 
 
 def batch_len(batch):
@@ -140,7 +140,54 @@ def concat_outputs(outputs):
     return _apply(torch.cat, outputs)
 
 
+def length_or_none(iterable):
+    """Return ``len(iterable)``, or None if it has no length.
+
+    E.g. a DataLoader over an ``IterableDataset`` without one.
+    """
+    try:
+        return len(iterable)
+    except TypeError:
+        return None
+
+
 def is_positive_int(value):
     """Whether ``value`` is an integer of at least 1, and not a bool."""
     return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
             and value >= 1)
+
+
+def check_positive_int(name, value, others=''):
+    """Raise a ValueError unless ``value`` is a positive integer.
+
+    ``others`` names the other values allowed, e.g. ``"None, 'auto' or "``.
+    """
+    if not is_positive_int(value):
+        raise ValueError("{} must be {}a positive integer, got {!r} instead."
+                         .format(name, others, value))
+
+
+def world_size():
+    """Return the number of ranks of the default process group; 1 without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+_INTERNAL = tuple(str(Path(module.__file__).parent) + os.sep
+                  for module in (sys.modules['skorch'], torch,
+                                 sys.modules[__name__.rpartition('.')[0]]))
+
+
+def user_stacklevel():
+    """Return the ``stacklevel`` of a warning that points at the user's call.
+
+    That is the first frame, from the function that warns outwards, whose
+    code is not this package's, skorch's or torch's (an optimizer's step).
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(
+            _INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -33,8 +33,8 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from skorch_gradacc.counting import scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
-from skorch_gradacc.item_counts import scale_gradients
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
 __all__ = ['DDPEngine', 'DataParallelEngine', 'Engine', 'engine_for',
@@ -116,9 +116,9 @@ class Engine:
         """Finish the step after its last backward; return its loss.
 
         Divides ``.grad`` by the group's count, in units of ``u``
-        (:meth:`~skorch_gradacc.item_counts.ItemCounts.factor`).
+        (:meth:`~skorch_gradacc.counting.ItemCounts.mean_scale`).
         """
-        scale_gradients(learnable_gradients(net), counts.factor())
+        scale_gradients(learnable_gradients(net), counts.mean_scale())
         return counts.loss()
 
     def all_ranks(self, ok):

@@ -26,7 +26,7 @@ from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.engine import DataParallelEngine
-from skorch_gradacc.precision import AUTOCAST_DTYPES
+from skorch_gradacc.mixin import AUTOCAST_DTYPES
 from skorch_gradacc.rank_streams import RankRandomStreamMixin
 from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
 from skorch_gradacc.sharding import zero_rows

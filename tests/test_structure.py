@@ -261,7 +261,6 @@ def test_docstrings_weigh_less_than_the_code():
     assert docs <= MAX_DOCSTRING_RATIO * code, (docs, code)
 
 
-@pytest.mark.xfail(reason='issue 34: the before figures', strict=True)
 def test_every_message_is_short():
     long = ['{}:{}: {} words'.format(path.name, line, word_count(text))
             for path in modules() for line, text in messages(path)
