@@ -19,39 +19,17 @@ __all__ = []
 
 
 def batch_len(batch):
-    """Return the number of rows in a batch, the way skorch counts them.
-
-    Examples
-    --------
-    >>> import torch
-    >>> batch_len((torch.zeros(5, 2), torch.zeros(5)))
-    5
-
-    """
+    """Return the number of rows in a batch, the way skorch counts them."""
     if isinstance(batch, (tuple, list)):
         return get_len(batch[0])
     return get_len(batch)
 
 
 def split_batch(batch, micro_batch_size):
-    """Split a batch into consecutive micro-batches.
+    """Split a batch into consecutive pieces of ``micro_batch_size`` rows.
 
-    Parameters
-    ----------
-    batch : tuple, list, or data
-      A batch as yielded by the net's iterator, usually ``(X, y)``. Each
-      member of a tuple or list (e.g. also ``(X, y, sample_weight)``) is
-      split along its first axis; ``None`` members stay ``None``.
-
-    micro_batch_size : int
-      The largest number of rows in one micro-batch.
-
-    Returns
-    -------
-    micro_batches : list
-      The micro-batches, each of the same structure as ``batch``. Every row
-      of ``batch`` is in exactly one of them, in the original order; all but
-      the last hold ``micro_batch_size`` rows.
+    Each member of a tuple or list batch is split along its first axis;
+    ``None`` members stay ``None``.
 
     Examples
     --------
@@ -100,33 +78,15 @@ def _apply(fn, outputs):
 
 
 def detach_outputs(output):
-    """Detach a module output (a tensor or a nest of tensors) from its graph.
-
-    Examples
-    --------
-    >>> import torch
-    >>> w = torch.ones(2, requires_grad=True)
-    >>> detach_outputs((w * 2, {'a': w * 3}))[1]['a'].requires_grad
-    False
-
-    """
+    """Detach a module output (a tensor or a nest of tensors) from its graph."""
     return _apply(lambda tensors: tensors[0].detach(), [output])
 
 
 def concat_outputs(outputs):
-    """Concatenate the outputs of several micro-batches along the first axis.
+    """Concatenate the outputs of several pieces along the first axis.
 
-    Parameters
-    ----------
-    outputs : list
-      The module outputs of the micro-batches, in order. Each is a tensor, or
-      a dict, tuple or list of tensors with the same structure.
-
-    Returns
-    -------
-    output
-      One output of the same structure, as the module would have returned
-      for the whole batch; the output itself if there is only one.
+    Each output is a tensor, or a dict, tuple or list of tensors with the
+    same structure; a single one is returned as it is, not copied.
 
     Examples
     --------

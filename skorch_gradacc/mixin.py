@@ -680,7 +680,7 @@ class GradAccMixin:
     def _pieces(self, group):
         """Yield ``(piece, is_last)`` for the pieces of ``group``.
 
-        A piece is a micro-batch, or a part of ``micro_batch_size`` rows.
+        A piece is a micro-batch, or a slice of ``micro_batch_size`` rows.
         """
         size = self.get_micro_batch_size()
         for index, micro in enumerate(group.micro_batches()):
