@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
@@ -49,6 +50,33 @@ def split_batch(batch, micro_batch_size):
         else:
             micro_batches.append(multi_indexing(batch, rows))
     return micro_batches
+
+
+def zero_rows(batch):
+    """Return a batch of the same structure and trailing shapes, with 0 rows.
+
+    It holds no reference to ``batch``'s data. A rank without a piece runs
+    its passes on it, for the collectives; its gradient is zero.
+
+    Examples
+    --------
+    >>> import torch
+    >>> X, y = zero_rows((torch.ones(4, 3), torch.zeros(4)))
+    >>> X.shape, y.shape
+    (torch.Size([0, 3]), torch.Size([0]))
+
+    """
+    if batch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return batch[:0].clone()
+    if isinstance(batch, dict):
+        return type(batch)((key, zero_rows(value))
+                           for key, value in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(zero_rows(data) for data in batch)
+    empty = multi_indexing(batch, slice(0, 0))
+    return empty.copy() if isinstance(empty, np.ndarray) else empty
 
 
 def _apply(fn, outputs):

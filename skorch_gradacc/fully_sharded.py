@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from skorch.utils import _check_f_arguments
 
+from skorch_gradacc.batching import zero_rows
 from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
 from skorch_gradacc.engine import DataParallelEngine
 from skorch_gradacc.mixin import AUTOCAST_DTYPES
 from skorch_gradacc.rank_streams import RankRandomStreamMixin
 from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
-from skorch_gradacc.sharding import zero_rows
 
 #: The oldest torch whose FSDP2 this module uses: ``fully_shard``, and
 #: ``set_force_sum_reduction_for_comms`` for sum-only reductions on gloo.

@@ -21,7 +21,7 @@ import itertools
 import torch.distributed as dist
 from skorch.utils import to_device
 
-from skorch_gradacc.sharding import zero_rows
+from skorch_gradacc.batching import zero_rows
 
 __all__ = ['ShardedEvaluationMixin', 'evaluate_in_rounds']
 
