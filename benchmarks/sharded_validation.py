@@ -55,7 +55,7 @@ def main(argv=None):
               'w2_seconds': two, 'ratio': two / one,
               'w1_rank0_cpu_seconds': cpu_one, 'w2_rank0_cpu_seconds': cpu_two,
               'cpu_ratio': cpu_two / cpu_one,
-              'provenance': harness.provenance(
+              'meta': harness.provenance(
                   'benchmarks.sharded_validation', sys.argv[1:])}
     print('validation epoch: W=1 {:.3f} s, W=2 {:.3f} s, ratio {:.2f}x; '
           "rank 0's CPU time ratio {:.2f}x; load average {:.1f}".format(

@@ -144,7 +144,7 @@ def main(argv=None):
             numbers['skorch_acc']['check_s']
             / numbers['skorch_acc']['s_per_epoch'])]) + '\n'
     meta = harness.provenance('benchmarks.trainer_comparison', sys.argv[1:])
-    harness.save(args.out, 'trainer_comparison', dict(numbers, provenance=meta), text)
+    harness.save(args.out, 'trainer_comparison', dict(numbers, meta=meta), text)
 
 
 if __name__ == '__main__':

@@ -76,10 +76,10 @@ if os.environ.get('SKORCH_GRADACC_INTERSPHINX') == '1':
 # CHANGES.md links to files relative to the repository root, which is what
 # GitHub renders. Inside these docs, point those links at the pages instead:
 # ``docs/how_it_works.rst`` is the page ``how_it_works``, and the README's
-# content (installation, the demo) is on the front page. MyST turns such
+# commands (installation, the demo, the tests) are on the installation page. MyST turns such
 # links into pending cross-references; they are rewritten after reading,
 # before Sphinx resolves them.
-CHANGES_LINKS = {'README.md': 'index'}
+CHANGES_LINKS = {'README.md': 'installation'}
 
 
 def _rewrite_changes_links(app, doctree):

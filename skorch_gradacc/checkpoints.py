@@ -12,6 +12,16 @@ skorch's ``save_params`` and ``load_params`` as ``torchrun`` users expect
 * ``load_params`` (and so skorch's ``LoadInitState``) loads on every rank,
   after every rank has arrived (:func:`wait_for_ranks`), so that no rank
   reads a file while rank 0 still writes it.
+* every rank writes its random state (torch's CPU and CUDA generators,
+  numpy's, Python's ``random`` and the rank's dropout stream) with
+  ``f_params``, in ``<f_params stem>_random_state_rank<r>.pt``, and
+  ``load_params`` restores it: a run resumed by ``LoadInitState`` draws
+  the numbers the uninterrupted one draws (shuffling, dropout). A rank
+  without its file (another world size) keeps its own state.
+
+Under ``torchrun --max-restarts N``, the net warns at ``initialize`` if
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is not set: without it, restarted
+ranks can hang in ``init_process_group`` (:func:`warn_if_restarts_hang`).
 
 An engine whose states must be gathered from every rank first (FSDP2) sets
 ``save_needs_every_rank`` and overrides :meth:`~RankZeroCheckpointMixin.
@@ -23,10 +33,15 @@ import collections
 import contextlib
 import datetime
 import os
+import random
+import warnings
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
-__all__ = ['RankZeroCheckpointMixin', 'atomic_files', 'wait_for_ranks']
+__all__ = ['RankZeroCheckpointMixin', 'atomic_files', 'wait_for_ranks',
+           'warn_if_restarts_hang']
 
 
 @contextlib.contextmanager
@@ -103,6 +118,80 @@ def wait_for_ranks(what, timeout):
             "under `if rank == 0:`.".format(what, missing, timeout)) from exc
 
 
+def warn_if_restarts_hang():
+    """Warn if torchrun may restart the ranks on a store they would share.
+
+    torchrun tells its workers how many restarts it allows
+    (``TORCHELASTIC_MAX_RESTARTS``). Unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is set, all attempts share one
+    store, where a restarted rank can read a dead rank's address: its
+    ``init_process_group`` then fails or hangs. The warning comes in the
+    first attempt, before any crash.
+    """
+    restarts = os.environ.get('TORCHELASTIC_MAX_RESTARTS', '0')
+    if restarts.isdigit() and int(restarts) > 0 and not os.environ.get(
+            'TORCH_DISABLE_SHARE_RDZV_TCP_STORE'):
+        warnings.warn(
+            "torchrun may restart the ranks (TORCHELASTIC_MAX_RESTARTS={}), "
+            "but restarted ranks can hang in init_process_group on the store "
+            "of the first attempt; launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...".format(
+                restarts), UserWarning, stacklevel=3)
+
+
+def random_state_path(files, rank):
+    """Return the file of rank ``rank``'s random state, or None.
+
+    Next to ``f_params`` (``f_module`` as skorch's ``Checkpoint`` calls
+    it, which saves each file in a call of its own), if it is a path:
+    ``params.pt`` gives ``params_random_state_rank0.pt``.
+    """
+    f = files.get('f_params') or files.get('f_module')
+    if not isinstance(f, (str, os.PathLike)):
+        return None
+    return '{}_random_state_rank{}.pt'.format(
+        os.path.splitext(os.fspath(f))[0], rank)
+
+
+def get_random_state(net):
+    """Return this process's random state, in tensors and numbers.
+
+    ``torch.load`` reads it with ``weights_only=True``.
+    """
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    stream = getattr(net, 'rank_stream_', None)
+    return {
+        'torch': torch.get_rng_state(),
+        'cuda': (torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+                 and torch.cuda.is_initialized() else None),
+        'numpy': [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                  gauss],
+        'random': [version, torch.tensor(internal, dtype=torch.int64),
+                   gauss_next],
+        'rank_stream': None if stream is None else stream.state,
+    }
+
+
+def set_random_state(net, state):
+    """Restore what :func:`get_random_state` returned."""
+    torch.set_rng_state(state['torch'])
+    if state['cuda'] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+    keys, pos, has_gauss, gauss = state['numpy']
+    np.random.set_state(('MT19937', keys.numpy().astype(np.uint32), pos,
+                         has_gauss, gauss))
+    version, internal, gauss_next = state['random']
+    random.setstate((version, tuple(internal.tolist()), gauss_next))
+    stream = getattr(net, 'rank_stream_', None)
+    if stream is not None:
+        stream.state = state['rank_stream']
+
+
+def _rank():
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _is_rank_zero():
     return not (dist.is_available() and dist.is_initialized()) or (
         dist.get_rank() == 0)
@@ -131,6 +220,11 @@ class RankZeroCheckpointMixin:
     save_needs_every_rank = False
     rank_wait_timeout = 60.0
 
+    def initialize(self):
+        """Initialize the net; warn if torchrun's restarts could hang."""
+        warn_if_restarts_hang()
+        return super().initialize()
+
     def save_params(self, f_params=None, f_optimizer=None, f_criterion=None,
                     f_history=None, use_safetensors=False, **kwargs):
         """Save the net's state once, from rank 0, in a plain net's format.
@@ -148,17 +242,31 @@ class RankZeroCheckpointMixin:
                 with atomic_files(files) as targets:
                     super().save_params(use_safetensors=use_safetensors,
                                         **targets)
+        path = random_state_path(files, _rank())
+        if path is not None:  # every rank's own, for an exact resume
+            with atomic_files({'f': path}) as targets:
+                torch.save(get_random_state(self), targets['f'])
         if self.save_needs_every_rank:
             dist.barrier()  # the files are there for every rank
 
-    def load_params(self, *args, **kwargs):
+    def load_params(self, f_params=None, f_optimizer=None, f_criterion=None,
+                    f_history=None, checkpoint=None, **kwargs):
         """Load the net's state on every rank; call it on every rank.
 
         It waits for every rank first, so that a file that rank 0 writes
         is complete. The arguments are those of skorch's ``load_params``.
+        The rank's random state is restored too, if its file is there.
         """
         wait_for_ranks('load_params', self.rank_wait_timeout)
-        return super().load_params(*args, **kwargs)
+        files = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer,
+                     f_criterion=f_criterion, f_history=f_history)
+        super().load_params(checkpoint=checkpoint, **files)
+        if checkpoint is not None:  # explicit arguments override it
+            files = dict(checkpoint.get_formatted_files(self), **{
+                key: value for key, value in files.items() if value})
+        path = random_state_path(files, _rank())
+        if path is not None and os.path.exists(path):
+            set_random_state(self, torch.load(path, weights_only=True))
 
     def _checkpoint_states(self, files):
         """Return a context in which the states to save are ready.

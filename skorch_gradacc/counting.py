@@ -137,6 +137,11 @@ class ItemCounts:
       A fixed unit, the same on every rank (FSDP2); None: the first
       positive count.
 
+    share : callable or None (default=None)
+      ``share(count)``: the largest ``count`` over ranks, for a unit that
+      is the same on every rank (FSDP2 under fp16). Every rank adds its
+      counts in step until one has items.
+
     name : str (default='count')
       What a bad count is called in the error message.
 
@@ -155,8 +160,9 @@ class ItemCounts:
 
     host_devices = frozenset({'cpu'})
 
-    def __init__(self, rescale=None, unit=None, name='count'):
+    def __init__(self, rescale=None, unit=None, name='count', share=None):
         self.rescale = rescale
+        self.share = share
         self.name = name
         self.summed = None
         self.unit = unit
@@ -207,6 +213,9 @@ class ItemCounts:
         if summed:
             self.weight = None
             return True
+        if self.share is not None and self.unit is None:
+            shared = self.share(count)  # on every rank, until one has items
+            self.unit = shared if shared > 0 else None
         if isinstance(count, torch.Tensor) or isinstance(
                 self.total, torch.Tensor):
             self._add_tensor(count)

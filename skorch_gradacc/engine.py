@@ -33,6 +33,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from skorch_gradacc.batching import zero_rows
 from skorch_gradacc.counting import scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
@@ -67,6 +68,10 @@ class Engine:
 
     unit = None
 
+    #: None, or what gives every rank the same unit: a callable that returns
+    #: the largest of a count over ranks (FSDP2 under fp16)
+    share_unit = None
+
     def __init__(self, module=None):
         self.module = module
 
@@ -100,8 +105,7 @@ class Engine:
         Called on the rank whose pass failed, with ``micro_batch_size='auto'``,
         before it backs off: ``run_empty_pass(piece)`` runs a zero-row pass
         in its place, and ``size`` is the piece size it backs off to. One
-        process, and DDP, whose forward passes need no other rank, have
-        nothing to do.
+        process has nothing to do.
         """
 
     def discard_gradient(self, run_empty_pass):
@@ -124,6 +128,10 @@ class Engine:
     def all_ranks(self, ok):
         """Return whether ``ok`` holds on every rank (here: ``ok``)."""
         return ok
+
+    def min_over_ranks(self, value):
+        """Return the smallest of the int ``value`` over ranks (here: it)."""
+        return value
 
 
 class DataParallelEngine(Engine):
@@ -204,10 +212,14 @@ class DataParallelEngine(Engine):
             group.global_rows = rows
         if counts.summed:
             return loss
-        # the summed gradient over all ranks is in units of 1; no host sync;
-        # with no item on any rank, the gradient is left as it is (zero)
+        # the summed gradient over all ranks is in units of 1, or of the
+        # unit the ranks share; no host sync; with no item on any rank, the
+        # gradient is left as it is (zero)
+        unit = 1.0
+        if self.share_unit is not None and counts.unit is not None:
+            unit = _on_device(counts.unit, self.device)
         scale_gradients(learnable_gradients(net),
-                        torch.where(total > 0, 1 / total, 1.0))
+                        torch.where(total > 0, unit / total, 1.0))
         return loss / total
 
     def all_ranks(self, ok):
@@ -215,6 +227,37 @@ class DataParallelEngine(Engine):
         flag = torch.tensor(float(ok), device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
         return bool(flag)
+
+    def min_over_ranks(self, value):
+        """Return the smallest of the int ``value`` over ranks (one all-reduce)."""
+        return int(self._over_ranks(value, dist.ReduceOp.MIN))
+
+    def _over_ranks(self, value, op):
+        """Return ``value`` reduced over ranks with ``op``, as a float."""
+        value = _on_device(value, self.device)
+        dist.all_reduce(value, op=op, group=self.process_group)
+        return value.item()
+
+    def _agree(self, has_piece, has_more, size):
+        """All-reduce this rank's flags; raise if a pass ran out of memory.
+
+        Returns whether any rank has a piece for the coming pass, and
+        whether any has one after it. ``size`` is the size a failed pass
+        backs off to, or None; the error raised carries the least one, so
+        that every rank backs off alike.
+        """
+        flags = torch.tensor([float(has_piece), float(has_more),
+                              -float(size) if size else -float('inf')],
+                             dtype=torch.float64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        any_piece, any_more, size = flags.tolist()
+        if size != -float('inf'):
+            # torch.OutOfMemoryError, under its name in torch < 2.5 too
+            error = torch.cuda.OutOfMemoryError(
+                "Out of memory on another rank: every rank backs off.")
+            error.micro_batch_size = int(-size)
+            raise error
+        return any_piece, any_more
 
 
 class DDPEngine(DataParallelEngine):
@@ -243,6 +286,11 @@ class DDPEngine(DataParallelEngine):
 
     fp16 : bool (default=False)
       Whether the backward passes run under a float16 GradScaler.
+
+    With ``micro_batch_size='auto'``, a rank that runs out of memory takes
+    part in the others' last all-reduce with a zero-row pass, and the ranks
+    agree at :meth:`end_step` whether any did: then every rank backs off
+    to the same size (:meth:`after_error`).
 
     Attributes
     ----------
@@ -275,9 +323,38 @@ class DDPEngine(DataParallelEngine):
         self.pending = []
         module.register_comm_hook(self, _scaled_allreduce_hook)
 
+    def passes(self, pieces):
+        """Yield the pieces as they are; keep a zero-row one for :meth:`after_error`."""
+        template = None
+        for piece, is_last in pieces:
+            if template is None:
+                template = self._template = zero_rows(piece)
+            yield piece, is_last
+            del piece
+
     def may_skip(self, is_last):
         """Return False for the rank's last backward, which all-reduces."""
         return not is_last
+
+    def after_error(self, run_empty_pass, size):
+        """Take part in the step's all-reduces, and tell the other ranks.
+
+        A zero-row pass with the rank's last backward joins the gradient
+        all-reduce of the others' last backward; the agreement that follows
+        joins theirs in :meth:`end_step`, where every rank backs off to the
+        least ``size``. The gradient all-reduced is given up on every rank.
+        """
+        run_empty_pass(self._template, is_last=True)
+        self._agree(False, False, size)
+
+    def end_step(self, net, group, counts):
+        """With ``micro_batch_size='auto'``, learn if a rank ran out of memory.
+
+        Then, or else, end the step as every data-parallel engine does.
+        """
+        if net.micro_batch_size == 'auto':
+            self._agree(False, False, None)  # see after_error
+        return super().end_step(net, group, counts)
 
     def context(self, syncs):
         """``no_sync()`` unless this is the rank's last backward."""

@@ -19,6 +19,7 @@ each:
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -167,9 +168,12 @@ class FullyShardedEngine(DataParallelEngine):
       runs a zero-row pass (:meth:`passes`);
     * the reduce-scatter on the step's last pass only, or on every pass
       with ``sync_each_batch`` (:meth:`context`);
-    * a unit of 1 on every rank (:attr:`unit`): FSDP2 has no hook to scale
-      a rank's gradient before its reduce-scatter, so each backward is
-      weighted by its item count itself.
+    * the same unit on every rank: FSDP2 has no hook to scale a rank's
+      gradient before its reduce-scatter. It is 1 (:attr:`unit`): each
+      backward is weighted by its item count itself; with ``fp16``, whose
+      float16 gradients that weight (hundreds of tokens) times the loss
+      scale would overflow, it is the largest first count over ranks
+      (:attr:`share_unit`, one all-reduce per step).
 
     Parameters
     ----------
@@ -182,6 +186,9 @@ class FullyShardedEngine(DataParallelEngine):
     process_group : ProcessGroup or None
       The process group; None for the default one.
 
+    fp16 : bool (default=False)
+      Whether the backward passes run under a float16 GradScaler.
+
     Attributes
     ----------
     reduce_scatters : int
@@ -191,29 +198,15 @@ class FullyShardedEngine(DataParallelEngine):
 
     unit = 1.0
 
-    def __init__(self, module, sync_each_batch=False, process_group=None):
+    def __init__(self, module, sync_each_batch=False, process_group=None,
+                 fp16=False):
         super().__init__(module, process_group=process_group, shard=True)
         self.sync_each_batch = sync_each_batch
         self.reduce_scatters = 0
-
-    def _agree(self, has_piece, has_more, size):
-        """All-reduce this rank's flags; raise if a pass ran out of memory.
-
-        Returns whether any rank has a piece for the coming pass, and
-        whether any has one after it. ``size`` is the size a failed pass
-        backs off to, or None; the error raised carries the least one.
-        """
-        flags = torch.tensor([float(has_piece), float(has_more),
-                              -float(size) if size else -float('inf')],
-                             dtype=torch.float64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        any_piece, any_more, size = flags.tolist()
-        if size != -float('inf'):
-            error = torch.OutOfMemoryError(
-                "Out of memory on another rank: every rank backs off.")
-            error.micro_batch_size = int(-size)
-            raise error
-        return any_piece, any_more
+        if fp16:
+            self.unit = None
+            self.share_unit = functools.partial(self._over_ranks,
+                                                op=dist.ReduceOp.MAX)
 
     def passes(self, pieces):
         """Yield ``(piece, is_last)``, the same number on every rank.
@@ -330,8 +323,9 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     used. With ``'fp16'``, a
     :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
     scales the losses and all-reduces whether any shard overflowed. Each
-    backward is weighted by its item count, so the scale settles that many
-    times lower than in one process, and the first steps may be skipped.
+    backward is then weighted by its item count over the largest first
+    count of the ranks, as near 1 as in one process, so that the scale
+    settles where it does there.
 
     .. note::
 
@@ -432,7 +426,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     def make_engine(self):
         """Return the FSDP2 engine of the sharded module."""
         if isinstance(self.module_, FSDPModule):
-            return FullyShardedEngine(self.module_, self.sync_each_batch)
+            return FullyShardedEngine(self.module_, self.sync_each_batch,
+                                      fp16=self.mixed_precision == 'fp16')
         return super().make_engine()
 
     def _autocast(self):
@@ -441,8 +436,10 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
 
     def _make_grad_scaler(self):
         # every rank unscales its shards; the scaler all-reduces whether any
-        # was not finite, so that all ranks step or skip alike
-        return ShardedGradScaler(self._device_type())
+        # was not finite, so that all ranks step or skip alike. The loss is
+        # float16 here (no autocast): its gradient, the scale times a
+        # weight near 1, must stay below float16's largest number, 65504
+        return ShardedGradScaler(self._device_type(), init_scale=2.0 ** 15)
 
     # Checkpoints: one full, unsharded copy
 

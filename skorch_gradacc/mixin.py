@@ -414,11 +414,14 @@ class GradAccMixin:
         The training iterator is wrapped in the engine's groups
         (:class:`~skorch_gradacc.grouping.MicroBatchGroups` in one process),
         one batch per optimizer step. A
-        :class:`~torch.utils.data.DistributedSampler` gets ``set_epoch``.
+        :class:`~torch.utils.data.DistributedSampler` gets ``set_epoch`` with
+        the epoch's index from 0 (after a resume, the next one).
         """
         sampler = getattr(iterator, 'sampler', None)
         if training and isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(len(self.history))
+            # the epoch's index from 0, as in PyTorch's loops; the epoch's
+            # row is in the history already, that of a resumed run too
+            sampler.set_epoch(max(len(self.history) - 1, 0))
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
             self._keep_train_y_pred_ = needed['y_pred']
@@ -645,7 +648,8 @@ class GradAccMixin:
         engine = self.get_engine()
         keep_y_pred = getattr(self, '_keep_train_y_pred_', False)
         y_preds = []
-        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)')
+        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)',
+                            share=engine.share_unit)
         for piece, is_last in engine.passes(self._pieces(group)):
             if not counts.add(self.count_loss_items(piece),
                               skippable=engine.may_skip(is_last)):

@@ -7,6 +7,7 @@ Accelerate do not. Speed is never asserted: it depends on the machine.
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -271,3 +272,41 @@ def test_benchmarks_code_stays_within_its_line_budget():
     lines = sum(path.read_text().count('\n')
                 for path in (ROOT / 'benchmarks').rglob('*.py'))
     assert lines <= 1800, lines
+
+
+# ------------------------------------- the committed runs come from this code
+
+def _git(*args):
+    try:
+        return subprocess.run(['git', *args], capture_output=True, text=True,
+                              check=True, cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _package_tree(commit):
+    """The git tree of ``skorch_gradacc/`` at ``commit``, or None if unknown."""
+    return _git('rev-parse', '--verify', '--quiet', commit + ':skorch_gradacc')
+
+
+@pytest.mark.parametrize('path', sorted(RESULTS.glob('*.json')),
+                         ids=lambda path: path.name)
+def test_results_come_from_the_package_checked_out(path):
+    # issue 33: a results file describes the package as checked out, or the
+    # page says which older code its numbers describe
+    head = _package_tree('HEAD')
+    if head is None or _git('rev-parse', '--is-shallow-repository') != 'false':
+        pytest.skip('needs a full git clone')
+    meta = json.loads(path.read_text())['meta']
+    assert meta['skorch_gradacc']['modified'] is False, (
+        '{} ran on uncommitted package code'.format(path.name))
+    note = '``{}`` describes the package of commit ``{}``'.format(
+        path.name, meta['git_commit'])
+    page = ' '.join(PAGE.read_text().split())
+    if _package_tree(meta['git_commit']) == head:
+        assert note not in page, 'a stale note: ' + note
+    else:
+        assert note in page, (
+            '{} ran on the package of commit {}, not the one checked out: '
+            'rerun it, or say on docs/benchmarks.rst: {}'.format(
+                path.name, meta['git_commit'], note))

@@ -93,10 +93,14 @@ def test_checkpoints_load_anywhere_and_back(tmp_path, oracle):
     # DDP, 2 ranks: Checkpoint every epoch, then the habit
     # `if rank == 0: net.save_params(...)`, which needs no collective
     ranks = run_ranks(tmp_path, 'ddp', 2, 3, 2, mode='rank0')
-    assert written(ranks[1]) == []  # rank 0 alone writes
-    # each file of each epoch's checkpoint once, under a temporary name
-    assert sorted(written(ranks[0])) == sorted(
-        ['criterion.pt', 'optimizer.pt', 'params.pt'] * 2 + ['rank0_params.pt'])
+    # each file of each epoch's checkpoint once, under a temporary name,
+    # from rank 0; each rank writes its own random state
+    for rank in range(2):
+        own = 'params_random_state_rank{}.pt'.format(rank)
+        assert sorted(written(ranks[rank])) == sorted(
+            ['criterion.pt', 'optimizer.pt', 'params.pt'] * 2 * (rank == 0)
+            + [own] * 2 + ['rank0_' + own] * (rank == 0)
+            + ['rank0_params.pt'] * (rank == 0))
     assert ranks[0]['error'] is None
     assert not list(tmp_path.glob('**/*.tmp'))  # all renamed
     cp = tmp_path / 'cp'
@@ -113,8 +117,12 @@ def test_checkpoints_load_anywhere_and_back(tmp_path, oracle):
     assert_matches_oracle(load_plain(cp), oracle, 3)
 
     # and back: DDP at 2 ranks resumes from FSDP's files for a fourth
-    run_ranks(tmp_path, 'ddp', 2, 3, 4)
+    ranks = run_ranks(tmp_path, 'ddp', 2, 3, 4)
     assert_matches_oracle(load_plain(cp), oracle, 4)
+    # rank 0 saved slowly; every rank's load_params waited for its file
+    for rank in ranks:
+        for key, value in rank['params'].items():
+            assert torch.equal(rank['loaded'][key], value)
 
 
 @pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
@@ -128,10 +136,21 @@ def test_a_restart_resumes_as_if_uninterrupted(tmp_path, oracle, engine):
     assert_matches_oracle(load_plain(tmp_path / 'cp'), oracle, 5)
 
 
-def test_a_restart_with_shuffled_data_resumes(tmp_path):
-    # the order after a restart is not the uninterrupted run's (the random
-    # state is not in the checkpoint), but the run resumes and completes
-    ranks = run_ranks(tmp_path, 'ddp', 2, 3, 5, mode='crash_shuffle',
-                      options=RESTARTS, env=FRESH_STORE)
+def test_a_restart_with_shuffling_and_dropout_is_exact(tmp_path):
+    # every rank's random state is in the checkpoint (its own file) and
+    # LoadInitState restores it: the restarted run shuffles and drops out
+    # as the uninterrupted one does (without: 2.2e-1 off)
+    ranks = run_ranks(tmp_path / 'restart', 'ddp', 2, 3, 5,
+                      mode='crash_shuffle', options=RESTARTS, env=FRESH_STORE)
     assert [rank['restart'] for rank in ranks] == [1, 1]
     assert [len(rank['history']) for rank in ranks] == [5, 5]
+    uninterrupted = run_ranks(tmp_path / 'once', 'ddp', 2, 3, 5,
+                              mode='train_shuffle')
+    for rank, expected in zip(ranks, uninterrupted):
+        for key, value in expected['params'].items():
+            torch.testing.assert_close(rank['params'][key], value, rtol=0,
+                                       atol=1e-10)
+        for key in ('train_loss', 'valid_loss'):
+            np.testing.assert_allclose(
+                [row[key] for row in rank['history']],
+                [row[key] for row in expected['history']], rtol=1e-10)

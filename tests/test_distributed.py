@@ -11,12 +11,16 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from skorch import NeuralNet, NeuralNetClassifier
+from skorch.callbacks import Callback, Checkpoint, LoadInitState
+from skorch.dataset import Dataset
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -29,7 +33,11 @@ from test_streaming import (
     ready_batches,
     sequences,
 )
+from torch.utils.data import DistributedSampler
 from torchrun_launch import assert_launch_succeeded, launch_scenarios
+
+from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc.distributed import DistributedGradAccMixin
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
@@ -67,7 +75,7 @@ def assert_params_equal(state, net, atol=PARAM_ATOL):
         torch.testing.assert_close(state[key], value.cpu(), rtol=0, atol=atol)
 
 
-def assert_same_as_single_process(ranks, net):
+def assert_same_as_single_process(ranks, net, failed_attempts=0):
     """Each rank ends with the single process's parameters and history."""
     for rank in ranks:
         assert_params_equal(rank['params'], net)
@@ -75,7 +83,8 @@ def assert_same_as_single_process(ranks, net):
                                    net.history[:, 'train_loss'], rtol=1e-10)
         assert rank['batch_sizes'] == net.history[
             :, 'batches', :, 'train_batch_size']
-        assert rank['allreduces'] == rank['steps']  # not one per micro-batch
+        # not one per micro-batch; one more per attempt given up
+        assert rank['allreduces'] == rank['steps'] + failed_attempts
 
 
 def classifier(n_samples, **kwargs):
@@ -112,8 +121,16 @@ def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
     # micro_batch_size='auto' where only rank 1 runs out of memory above 4
     # rows: it backs off and replays, and the update is unchanged
     ranks = ddp.ranks('auto')
-    assert ranks[1]['micro_batch_size_'] == 4
-    assert_same_as_single_process(ranks, classifier(195))
+    assert_same_as_single_process(ranks, classifier(195), failed_attempts=1)
+    # every rank backs off with rank 1 and records it alike: rank 0 learns
+    # of it at the end of its first attempt (its 3 micro-batches of 8)
+    assert ranks[0]['piece_rows'][:4] == [8, 8, 8, 4]
+    assert ranks[1]['piece_rows'][:2] == [8, 4]
+    for rank in ranks:
+        assert rank['micro_batch_size_'] == 4
+        assert max(rank['piece_rows'][rank['piece_rows'].index(4):]) == 4
+        assert rank['backoffs'] == [[[4]] + [None] * 4, [None] * 5]
+        assert rank['epoch_micro_batch_size'] == [4, 4]
 
 
 @pytest.mark.slow  # torchrun
@@ -238,3 +255,68 @@ def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
     for rank in range(WORLD_SIZE):
         assert 'rank {} watches its comm hook'.format(rank) in out
     assert (tmp_path / 'params.pt').exists()
+
+
+class RecordsSamplerEpochs(Callback):
+    """Records the training sampler's epoch at the end of every epoch."""
+
+    def on_epoch_end(self, net, **kwargs):
+        net.sampler_epochs_ = getattr(net, 'sampler_epochs_', []) + [
+            net.iterator_train__sampler.epoch]
+
+
+def test_distributed_sampler_epochs_count_from_0_also_after_a_resume(
+        tmp_path):
+    # one process whose loader has a DistributedSampler of its own: the
+    # epochs that a hand-written loop gives set_epoch, 0, 1, ..., and after
+    # LoadInitState loaded 2 epochs of history, 2 and 3
+    X, y = classification_data(64)
+    dataset = Dataset(X, y)
+
+    def make_net():
+        cp = Checkpoint(dirname=str(tmp_path), monitor=None)
+        return GradAccNeuralNetClassifier(
+            MLPClassifier, batch_size=8, acc_steps=2, max_epochs=2,
+            train_split=None, verbose=0, iterator_train__sampler=(
+                DistributedSampler(dataset, num_replicas=1, rank=0, seed=0)),
+            callbacks=[cp, LoadInitState(cp), RecordsSamplerEpochs()])
+
+    assert make_net().fit(dataset, None).sampler_epochs_ == [0, 1]
+    assert make_net().fit(dataset, None).sampler_epochs_ == [2, 3]
+
+
+RESTART_WARNING = (
+    "torchrun may restart the ranks (TORCHELASTIC_MAX_RESTARTS=1), but "
+    "restarted ranks can hang in init_process_group on the store of the "
+    "first attempt; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+    "torchrun ...")
+
+
+class DDPClassifier(DistributedGradAccMixin, GradAccNeuralNetClassifier):
+    pass
+
+
+@pytest.mark.parametrize('env, warns', [
+    ({'TORCHELASTIC_MAX_RESTARTS': '1'}, True),
+    ({'TORCHELASTIC_MAX_RESTARTS': '1',
+      'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}, False),
+    ({'TORCHELASTIC_MAX_RESTARTS': '0'}, False),
+])
+def test_restarts_without_a_fresh_store_warn_at_initialize(
+        tmp_path, monkeypatch, env, warns):
+    # what torchrun --max-restarts 1 tells its workers; the warning comes
+    # in the first attempt, before any rank could crash
+    monkeypatch.delenv('TORCH_DISABLE_SHARE_RDZV_TCP_STORE', raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        net = DDPClassifier(MLPClassifier, verbose=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            net.initialize()
+        messages = [str(warning.message) for warning in caught]
+        assert messages == ([RESTART_WARNING] if warns else [])
+    finally:
+        dist.destroy_process_group()

@@ -20,9 +20,14 @@ from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
+from torch.utils.data import DistributedSampler
 from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
-from skorch_gradacc import FullyShardedGradAccMixin, GradAccNeuralNetClassifier
+from skorch_gradacc import (
+    FullyShardedGradAccMixin,
+    GradAccNeuralNet,
+    GradAccNeuralNetClassifier,
+)
 from skorch_gradacc.fully_sharded import units_of
 
 from conftest import DTYPE, PARAM_ATOL, classification_data
@@ -34,10 +39,14 @@ from fsdp_worker import (  # noqa: E402
     ACC_STEPS,
     BATCH_SIZE,
     CLIP_NORM,
+    FP16_ACC_STEPS,
+    FP16_LR,
     N_SAMPLES,
     N_TOKEN_SAMPLES,
+    FP16TokenModel,
     MaskedMeanLoss,
     SpikyClassifier,
+    fp16_token_data,
     masked_data,
     sequential_classifier,
     spiky_data,
@@ -49,7 +58,7 @@ TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'micro', 'auto', 'iterable', 'skip', 'masked',
-             'sampler']
+             'sampler', 'fp16_tokens', 'fp16_spike']
 LAUNCH_LIMIT = 480
 
 
@@ -310,45 +319,87 @@ def test_a_micro_batch_without_items_adds_nothing(fsdp):
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_distributed_sampler_gets_set_epoch(fsdp):
     ranks = fsdp.ranks('sampler')
-    for rank in ranks:
-        assert rank['sampler_epochs'] == [1, 2]
-        first, second = rank['first_rows']
-        assert first != second  # another shuffled order each epoch
-
-
-class SkipsFirstSteps(NeuralNetClassifier):
-    """Plain skorch that skips its first ``skips`` optimizer steps."""
-
-    skips = 4
-
-    def _step_optimizer(self, step_fn):
-        self.steps_ = getattr(self, 'steps_', 0) + 1
-        if self.steps_ <= self.skips:
-            step_fn()  # the gradient, and no step
-            return None
-        return super()._step_optimizer(step_fn)
+    X, _ = classification_data(N_SAMPLES)
+    for number, rank in enumerate(ranks):
+        assert rank['sampler_epochs'] == [0, 1]  # PyTorch's, from 0
+        # what a hand-written loop's sampler gives in epochs 0 and 1
+        orders = []
+        for epoch in range(2):
+            sampler = DistributedSampler(range(N_SAMPLES), seed=0,
+                                         num_replicas=WORLD_SIZE, rank=number)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        assert rank['first_rows'] == [order[:BATCH_SIZE] for order in orders]
+        # the loader is sharded by its sampler already: the rank trains on
+        # all of its sampler's rows, in order, and on no other
+        assert torch.equal(rank['trained_rows'], torch.as_tensor(
+            X[orders[0] + orders[1]]))
 
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
-def test_fp16_scaler_decides_alike_on_every_rank(fsdp):
+def test_fp16_scaler_decides_alike_on_every_rank(fsdp, oracle):
     # float16 parameters in the forward pass, float32 reductions, and a
-    # ShardedGradScaler: each backward is weighted by its count (8), so the
-    # scale settles 16 times below 65536 after 4 skipped steps, the same on
-    # both ranks
+    # ShardedGradScaler: each backward is weighted by its count over the
+    # ranks' largest first count (8 / 8), so no step is skipped, as in one
+    # process; the scale stays where it started on both ranks
     ranks = fsdp.ranks('fp16')
     out = fsdp.folder('fp16')
     for rank in ranks:
         assert rank['forward_dtypes'] == {torch.float16}
         assert rank['reduce_dtypes'] == {torch.float32}
-        assert rank['steps_skipped'] == [True] * 4 + [False] * 6
-        assert rank['scale'] == 2.0 ** 12
-    net = single_process(SkipsFirstSteps, *classification_data(N_SAMPLES),
-                         module=sequential_classifier, lr=0.1)
-    # to float16's precision; taking any of the skipped steps is 0.13 off
-    assert_params_equal(torch.load(out / 'params.pt'), net, atol=2e-3)
+        assert rank['steps_skipped'] == [False] * 10
+        assert rank['scale'] == 2.0 ** 15
+    # to float16's precision
+    assert_params_equal(torch.load(out / 'params.pt'), oracle, atol=2e-3)
     np.testing.assert_allclose(ranks[0]['train_losses'],
-                               train_losses(net.history), rtol=5e-3)
+                               train_losses(oracle.history), rtol=5e-3)
+
+
+def fp16_tokens_single_process(mixed_precision):
+    """One process on fp16_tokens' data: its parameters and skipped steps."""
+    torch.manual_seed(0)
+    net = GradAccNeuralNet(
+        FP16TokenModel, criterion=torch.nn.CrossEntropyLoss, lr=FP16_LR,
+        optimizer__momentum=0.9, batch_size=BATCH_SIZE,
+        acc_steps=FP16_ACC_STEPS * WORLD_SIZE, max_epochs=1,
+        mixed_precision=mixed_precision, train_split=None,
+        verbose=0).fit(*fp16_token_data())
+    skipped = net.history[-1].get('skipped_steps', 0)
+    return net.module_.state_dict(), skipped
+
+
+def max_distance(state, expected):
+    return max(float((state[key].float() - value).abs().max())
+               for key, value in expected.items())
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_fp16_token_model_fares_as_one_process(fsdp):
+    # 384 tokens per micro-batch: weighted by them (a unit of 1) times the
+    # loss scale, the float16 gradients overflowed and FSDP skipped 9 of
+    # 12 steps, 9.4e-2 from float32; now none, 5.5e-5 (one process: 2.6e-5)
+    ranks = fsdp.ranks('fp16_tokens')
+    state = torch.load(fsdp.folder('fp16_tokens') / 'params.pt')
+    float32, _ = fp16_tokens_single_process(None)
+    fp16, skipped = fp16_tokens_single_process('fp16')
+    for rank in ranks:
+        assert sum(rank['steps_skipped']) <= skipped
+    # the same order of magnitude
+    assert max_distance(state, float32) <= 10 * max_distance(fp16, float32)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_fp16_overflow_in_one_shard_skips_on_every_rank(fsdp):
+    # the second step's gradient is infinite in rank 1's shard only: the
+    # ShardedGradScaler of every rank skips it and lowers its scale alike
+    ranks = fsdp.ranks('fp16_spike')
+    for rank in ranks:  # the spike's step in each epoch
+        assert rank['steps_skipped'] == [False, True] + [False] * 4 + [
+            True] + [False] * 3
+        assert rank['scale'] == 2.0 ** 13
 
 
 class FSDPNet(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):

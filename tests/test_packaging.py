@@ -117,9 +117,9 @@ def test_test_extra_names_every_pinned_requirement():
               for line in path.read_text().splitlines()
               if line.strip() and not line.startswith(('#', '-r'))}
     offered = {name(req) for req in project['dependencies'] + extras['test']}
-    offered |= {name(req) for extra in ('demo', 'docs')
+    offered |= {name(req) for extra in ('dask', 'demo', 'docs')
                 for req in extras[extra]}
-    assert 'skorch-gradacc[demo,docs]' in extras['test']
+    assert 'skorch-gradacc[dask,demo,docs]' in extras['test']
     assert pinned and pinned <= offered, pinned - offered
 
 

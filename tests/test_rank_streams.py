@@ -39,5 +39,9 @@ def test_ranks_draw_their_own_dropout_masks_on_one_order(launch, engine):
         assert ids == list(range(N_ROWS))
         # the masks of the ranks' first micro-batches (8 rows each) differ
         assert rank0[0][1] != rank1[0][1]
+        # and every mask of 8 rows is new, past the first micro-batch and
+        # the first step too: the rank's stream goes on, it is not reseeded
+        masks = [str(mask) for _, mask in rank0 + rank1 if len(mask) == 8]
+        assert len(masks) == 24 and len(set(masks)) == len(masks)
     # and the order is a new one in the second epoch
     assert epochs[0][0][0][0] != epochs[1][0][0][0]

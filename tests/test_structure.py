@@ -254,7 +254,6 @@ def test_at_most_15_modules():
     assert len(modules()) <= MAX_MODULES, [path.name for path in modules()]
 
 
-@pytest.mark.xfail(reason='issue 34: the before figures', strict=True)
 def test_docstrings_weigh_less_than_the_code():
     counts = [line_counts(path.read_text()) for path in modules()]
     code, docs = (sum(column) for column in zip(*counts))

@@ -14,7 +14,15 @@ docs/scaling_out.rst says). MODE is
   ``rank_wait_timeout``; its error, if any, is saved;
 * ``crash``: rank 1 exits with ``os._exit(1)`` in the second step of epoch
   4, in the first attempt only (``TORCHELASTIC_RESTART_COUNT``);
-* ``crash_shuffle``: the same with ``iterator_train__shuffle=True``.
+* ``crash_shuffle``: the same with ``iterator_train__shuffle=True`` and
+  dropout (p=0.3);
+* ``train_shuffle``: ``crash_shuffle`` uninterrupted.
+
+After the fit (but in ``rank0``), every rank calls ``save_params`` and then
+``load_params``
+into a new net, whose parameters it saves; rank 0 waits 1 s before it
+writes the parameters, so a ``load_params`` that did not wait for the
+ranks would read before the file is there.
 
 Each rank saves its files written (``torch.save`` calls), history and
 restart count to OUT_DIR/rank{r}.pt.
@@ -22,6 +30,7 @@ restart count to OUT_DIR/rank{r}.pt.
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,11 +52,15 @@ from conftest import MLPRegressor, regression_data
 
 N_TRAIN, N_VALID, BATCH_SIZE = 195, 61, 8
 SAVES = []
+SLOW_SAVES = []  # non-empty: rank 0 waits 1 s before final_params.pt
 _torch_save = torch.save
 
 
 def counting_save(obj, f, *args, **kwargs):
     SAVES.append(os.path.basename(str(f)))
+    if SLOW_SAVES and dist.get_rank() == 0 and SAVES[-1].startswith(
+            'final_params.pt'):
+        time.sleep(1)
     return _torch_save(obj, f, *args, **kwargs)
 
 
@@ -60,6 +73,17 @@ class DDPRegressor(DistributedGradAccMixin, GradAccNeuralNetRegressor):
 
 class FSDPRegressor(FullyShardedGradAccMixin, GradAccNeuralNetRegressor):
     pass
+
+
+class DropoutRegressor(MLPRegressor):
+    """MLPRegressor with dropout (p=0.3) on its hidden layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropout = torch.nn.Dropout(0.3)
+
+    def forward(self, X):
+        return self.output(self.dropout(torch.tanh(self.hidden(X))))
 
 
 class CrashInEpoch4(Callback):
@@ -93,11 +117,17 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
         callbacks.append(CrashInEpoch4())
     net_cls = DDPRegressor if engine == 'ddp' else FSDPRegressor
     net_cls.rank_wait_timeout = 3
+    shuffle = mode.endswith('_shuffle')
     torch.manual_seed(0)  # the same initial weights on every rank
-    net = net_cls(MLPRegressor, batch_size=BATCH_SIZE,
-                  acc_steps=int(acc_steps), lr=0.05, optimizer__momentum=0.9,
-                  train_split=predefined_split(valid), callbacks=callbacks,
-                  iterator_train__shuffle=mode == 'crash_shuffle', verbose=0)
+
+    def make_net(**kwargs):
+        return net_cls(DropoutRegressor if shuffle else MLPRegressor,
+                       batch_size=BATCH_SIZE, acc_steps=int(acc_steps),
+                       lr=0.05, optimizer__momentum=0.9,
+                       train_split=predefined_split(valid),
+                       iterator_train__shuffle=shuffle, verbose=0, **kwargs)
+
+    net = make_net(callbacks=callbacks)
     # max_epochs counts the epochs of one fit: resume with those left
     done = (len(History.from_file(cp.f_history_))
             if os.path.exists(cp.f_history_) else 0)
@@ -108,7 +138,20 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
             net.save_params(f_params=out_dir / 'rank0_params.pt')
         except RuntimeError as exc:
             error = str(exc)
+    loaded = None
+    if mode != 'rank0':
+        # every rank saves, rank 0 slowly, and loads what rank 0 wrote
+        # (initialized first: DDP's wrapping waits for every rank)
+        loaded = make_net().initialize()
+        final = {'f_params': out_dir / 'final_params.pt'}
+        SLOW_SAVES.append(True)
+        net.save_params(**final)
+        SLOW_SAVES.clear()
+        loaded.load_params(**final)
+    ddp = engine == 'ddp'
     save_rank({
+        'params': net.module_.state_dict() if ddp else None,
+        'loaded': loaded.module_.state_dict() if ddp and loaded else None,
         'saves': SAVES,
         'error': error,
         'restart': int(os.environ.get('TORCHELASTIC_RESTART_COUNT', -1)),

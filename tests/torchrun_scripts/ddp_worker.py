@@ -63,6 +63,8 @@ class CountsMicroBatches:
         rows = len(batch[0])
         self.micro_batches_ = getattr(self, 'micro_batches_', 0) + bool(rows)
         self.rows_ = getattr(self, 'rows_', 0) + rows
+        if rows:  # the rows of each forward pass, in order
+            self.piece_rows_ = getattr(self, 'piece_rows_', []) + [rows]
         return super().train_step_single(batch, **fit_params)
 
 
@@ -181,6 +183,11 @@ def run(scenario, out_dir, device):
         'micro_batches': net.micro_batches_,
         'rows': net.rows_,
         'micro_batch_size_': getattr(net, 'micro_batch_size_', None),
+        'piece_rows': net.piece_rows_,
+        'backoffs': [[row.get('micro_batch_size_backoff') for row in rows]
+                     for rows in net.history[:, 'batches']],
+        'epoch_micro_batch_size': [row.get('micro_batch_size')
+                                   for row in net.history],
         'train_loss': [float(loss) for loss in net.history[:, 'train_loss']],
         'batch_losses': [[float(loss) for loss in losses] for losses in
                          net.history[:, 'batches', :, 'train_loss']],

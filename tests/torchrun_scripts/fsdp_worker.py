@@ -27,6 +27,11 @@ after another, see worker_common.py)
 * ``sampler``: a user's shuffling ``DistributedSampler``;
 * ``masked``: a masked mean loss, ``(ce * mask).sum() / mask.sum()``, where
   rank 1's first micro-batch has rows but no item.
+* ``fp16_tokens``: a float32 token model under ``'fp16'``, whose
+  micro-batches count 384 tokens each; 12 steps of ``acc_steps=2``;
+* ``fp16_spike``: ``skip``'s model and data under ``'fp16'``, without
+  ``skip_nonfinite``: the scaler alone finds the infinite gradient, in
+  rank 1's shard only.
 
 Rank 0 saves the net's full checkpoint (``save_params``) and the history
 to OUT_DIR/SCENARIO; each rank saves its counters to
@@ -36,6 +41,7 @@ OUT_DIR/SCENARIO/rank{r}.pt.
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from skorch.callbacks import Callback, GradientNormClipping
@@ -52,6 +58,7 @@ from skorch_gradacc.distributed import FullyShardedGradAccMixin
 from conftest import DTYPE, classification_data
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
+FP16_VOCAB, FP16_ACC_STEPS, FP16_LR = 64, 2, 0.5
 CLIP_NORM = 0.05
 
 
@@ -135,6 +142,25 @@ class MaskedMeanLoss(torch.nn.Module):
         return (ce * mask).sum() / mask.sum()
 
 
+class FP16TokenModel(torch.nn.Module):
+    """A float32 token model: embedding 64x32, linear 32x64, logits shaped
+    (batch, vocab, sequence) for a CrossEntropyLoss per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(FP16_VOCAB, 32)
+        self.output = torch.nn.Linear(32, FP16_VOCAB)
+
+    def forward(self, X):
+        return self.output(torch.tanh(self.embedding(X))).permute(0, 2, 1)
+
+
+def fp16_token_data():
+    """12 steps of 32 rows of 48 tokens; each token predicts the next."""
+    X = np.random.RandomState(0).randint(0, FP16_VOCAB, size=(12 * 32, 48))
+    return X, np.roll(X, -1, axis=1)
+
+
 def masked_data():
     X, y = token_data(N_TOKEN_SAMPLES)
     y[BATCH_SIZE:2 * BATCH_SIZE] = IGNORE  # micro-batch 1: rank 1's first
@@ -165,6 +191,14 @@ class FSDPClassifier(FullyShardedGradAccMixin, GradAccNeuralNetClassifier):
         return loss
 
 
+    def train_step_single(self, batch, **fit_params):
+        """Keeps the rows trained on, in order, if ``trained_rows_`` is a
+        list."""
+        if getattr(self, 'trained_rows_', None) is not None and len(batch[0]):
+            self.trained_rows_.append(batch[0].detach().clone())
+        return super().train_step_single(batch, **fit_params)
+
+
 class FSDPTokenNet(FullyShardedGradAccMixin, GradAccNeuralNet):
     def count_loss_items(self, batch):
         _, y = batch
@@ -184,6 +218,12 @@ def make_net(scenario, max_epochs=2, X=None):
         return FSDPTokenNet(
             TokenTagger, lr=0.5, shard_classes=[torch.nn.Embedding, 'Linear'],
             **criterion, **common)
+    if scenario == 'fp16_tokens':
+        common.update(acc_steps=FP16_ACC_STEPS, max_epochs=1)
+        return FSDPTokenNet(
+            FP16TokenModel, lr=FP16_LR, criterion=torch.nn.CrossEntropyLoss,
+            mixed_precision='fp16',
+            shard_classes=[torch.nn.Embedding, 'Linear'], **common)
     module = sequential_classifier
     if scenario == 'micro':
         common['micro_batch_size'] = 3
@@ -191,9 +231,9 @@ def make_net(scenario, max_epochs=2, X=None):
         module = CappedClassifier
         common['micro_batch_size'] = 'auto'
         common['module__max_rows'] = 4 if dist.get_rank() == 1 else 1000
-    if scenario == 'skip':
+    if scenario in ('skip', 'fp16_spike'):
         module = SpikyClassifier
-        common['skip_nonfinite'] = True
+        common['skip_nonfinite'] = scenario == 'skip'
     if scenario == 'iterable':
         common['iterator_train__batch_size'] = None
     if scenario == 'sampler':
@@ -206,7 +246,8 @@ def make_net(scenario, max_epochs=2, X=None):
     return FSDPClassifier(
         module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
-        mixed_precision=scenario if scenario in ('bf16', 'fp16') else None,
+        mixed_precision={'bf16': 'bf16', 'fp16': 'fp16',
+                         'fp16_spike': 'fp16'}.get(scenario),
         **common)
 
 
@@ -215,8 +256,10 @@ def fit(scenario, out_dir):
         X, y = token_data(N_TOKEN_SAMPLES)
     elif scenario == 'masked':
         X, y = masked_data()
-    elif scenario == 'skip':
+    elif scenario in ('skip', 'fp16_spike'):
         X, y = spiky_data()
+    elif scenario == 'fp16_tokens':
+        X, y = fp16_token_data()
     else:
         X, y = classification_data(N_SAMPLES)
     if scenario == 'iterable':
@@ -226,6 +269,7 @@ def fit(scenario, out_dir):
     torch.manual_seed(0)  # the same initial weights on every rank
     if scenario != 'resume':
         net = make_net(scenario, X=X).initialize()
+        net.trained_rows_ = [] if scenario == 'sampler' else None
         net.forward_dtypes_ = set()
         first_layer = next(module for module in net.module_.modules()
                            if isinstance(module, torch.nn.Linear))
@@ -292,6 +336,8 @@ def run(scenario, out_dir):
         'reduce_dtypes': set(reduce_scatters),
         'sampler_epochs': getattr(net, 'sampler_epochs_', None),
         'first_rows': getattr(net, 'first_rows_', None),
+        'trained_rows': (torch.cat(net.trained_rows_)
+                         if getattr(net, 'trained_rows_', None) else None),
     }, out_dir)
 
 
