@@ -155,12 +155,19 @@ def check_positive_int(name, value, others=''):
                          .format(name, others, value))
 
 
-def world_size():
-    """Return the number of ranks of the default process group; 1 without one."""
+def _distributed():
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+    return dist.is_available() and dist.is_initialized()
+
+
+def n_ranks():
+    """Return the number of ranks of the default process group; 1 without one."""
+    return torch.distributed.get_world_size() if _distributed() else 1
+
+
+def this_rank():
+    """Return this process's rank in the default process group; 0 without one."""
+    return torch.distributed.get_rank() if _distributed() else 0
 
 
 _INTERNAL = tuple(str(Path(module.__file__).parent) + os.sep

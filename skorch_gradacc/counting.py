@@ -19,9 +19,9 @@ from skorch.dataset import unpack_data
 
 from skorch_gradacc.batching import (
     batch_len,
+    n_ranks,
     split_batch,
     user_stacklevel,
-    world_size,
 )
 
 __all__ = ['LossItemsWarning', 'count_items']
@@ -347,7 +347,7 @@ def check_loss_is_mean(net, batch, **fit_params):
     False for fewer than two rows or no items; True, unchecked, with
     several ranks and for batches that are not ``(X, y)``.
     """
-    if world_size() > 1:
+    if n_ranks() > 1:
         return True  # each rank's forward may take part in collectives
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         return True  # trained by the user's own train_step_single

@@ -38,8 +38,7 @@ from skorch_gradacc.counting import scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
-__all__ = ['DDPEngine', 'DataParallelEngine', 'Engine', 'engine_for',
-           'learnable_gradients']
+__all__ = ['Engine']
 
 
 class Engine:

@@ -496,8 +496,13 @@ class GradAccMixin:
     def _device_type(self):
         return torch.device(self.device).type if self.device else 'cpu'
 
-    def _autocast(self):
-        """Return the context for one micro-batch's forward and backward."""
+    def autocast(self):
+        """Return the context of one micro-batch's forward pass and loss.
+
+        :class:`torch.autocast` with the dtype of ``mixed_precision``, or a
+        null context. Override it for another precision scheme (FSDP2's
+        mixin returns a null context: its policy casts the module).
+        """
         if self.mixed_precision is None:
             return contextlib.nullcontext()
         return torch.autocast(self._device_type(),
@@ -700,7 +705,7 @@ class GradAccMixin:
     def _train_piece(self, piece, counts, is_last, **fit_params):
         """Run ``train_step_single`` on one piece, weighted by its count.
 
-        In the engine's context and under :meth:`_autocast`. ``get_loss`` is
+        In the engine's context and under :meth:`autocast`. ``get_loss`` is
         replaced on the instance for the call, so that overrides of
         ``train_step_single`` keep working (skorch has no loss hook). A
         piece without items (weight 0) gets a zero gradient through its
@@ -733,7 +738,7 @@ class GradAccMixin:
         own = vars(self).get('get_loss')  # e.g. a test's mock
         self.get_loss = weighted_loss  # what train_step_single calls
         try:
-            with self.get_engine().context(is_last), self._autocast():
+            with self.get_engine().context(is_last), self.autocast():
                 step = self.train_step_single(piece, **fit_params)
         finally:
             del self.get_loss
@@ -786,7 +791,7 @@ class GradAccMixin:
         self._set_training(True)
         # X is the first member, also of batches with more than (X, y)
         Xi = batch[0] if isinstance(batch, (tuple, list)) else batch
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.autocast():
             return self.infer(Xi, **fit_params)
 
     # micro_batch_size='auto'
@@ -844,12 +849,11 @@ class GradAccMixin:
 
     # Validation and prediction with micro_batch_size
 
-    def _eval_pieces(self, batch):
-        """Split ``batch`` for validation or prediction, or return None.
+    def eval_pieces(self, batch):
+        """Return the pieces of a validation or prediction batch, or None.
 
-        Only with ``micro_batch_size`` set do validation and prediction
-        batches go through the module in pieces.
-
+        Pieces of ``micro_batch_size`` rows; None (the batch as it is)
+        without ``micro_batch_size`` or for a batch that fits.
         """
         size = self.get_micro_batch_size()
         if size is None or batch_len(batch) <= size:
@@ -864,7 +868,7 @@ class GradAccMixin:
         outputs for all rows.
 
         """
-        pieces = self._eval_pieces(batch)
+        pieces = self.eval_pieces(batch)
         if pieces is None:
             return super().validation_step(batch, **fit_params)
         steps = []
@@ -879,7 +883,7 @@ class GradAccMixin:
 
     def evaluation_step(self, batch, training=False):
         """Run skorch's evaluation step, in pieces if ``micro_batch_size`` is set."""
-        pieces = self._eval_pieces(batch)
+        pieces = self.eval_pieces(batch)
         if pieces is None:
             return super().evaluation_step(batch, training=training)
         return concat_outputs([

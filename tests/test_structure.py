@@ -249,7 +249,6 @@ def figures():
 
 # The tests
 
-@pytest.mark.xfail(reason='issue 34: the before figures', strict=True)
 def test_at_most_15_modules():
     assert len(modules()) <= MAX_MODULES, [path.name for path in modules()]
 
@@ -267,7 +266,6 @@ def test_every_message_is_short():
     assert not long
 
 
-@pytest.mark.xfail(reason='issue 34: the before figures', strict=True)
 def test_exports_are_what_the_api_reference_documents():
     documented = documented_names()
     exported = exports()
