@@ -282,7 +282,7 @@ class AccumGrad(torch.optim.Optimizer):
             'optimizer': self.optimizer.state_dict(),
             'acc_steps': self.acc_steps,
             'position': self._position,
-            'unit': self._counts.unit,
+            'unit': self._counts.count_unit,
             'total': self._counts.total,
             'counted': self._counted,
         }
@@ -306,7 +306,7 @@ class AccumGrad(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict['optimizer'])
         self._start_group()
         self._position = state_dict['position']
-        self._counts.unit = state_dict['unit']
+        self._counts.count_unit = state_dict['unit']
         self._counts.total = state_dict['total']
         self._counted = state_dict['counted']
 

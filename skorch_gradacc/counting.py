@@ -120,7 +120,7 @@ class ItemCounts:
 
     ``.grad`` holds ``sum_j (c_j / u) * g_j``: ``g_j`` is the gradient of
     micro-batch ``j``'s mean loss, ``c_j`` its count and ``u`` the unit.
-    Without ``rescale`` (the net), ``u`` is ``unit`` or the first positive
+    Without ``rescale`` (the net), ``u`` is ``count_unit`` or the first positive
     count, and :attr:`weight` ``c_j / u`` multiplies the micro-batch's loss
     for its backward. With ``rescale`` (:class:`~skorch_gradacc.AccumGrad`),
     ``u`` is the last positive count and :meth:`add` rescales ``.grad`` when
@@ -133,7 +133,7 @@ class ItemCounts:
     rescale : callable or None (default=None)
       ``rescale(scale)`` multiplies all gradients in place.
 
-    unit : float or None (default=None)
+    count_unit : float or None (default=None)
       A fixed unit, the same on every rank (FSDP2); None: the first
       positive count.
 
@@ -160,12 +160,12 @@ class ItemCounts:
 
     host_devices = frozenset({'cpu'})
 
-    def __init__(self, rescale=None, unit=None, name='count', share=None):
+    def __init__(self, rescale=None, count_unit=None, name='count', share=None):
         self.rescale = rescale
         self.share = share
         self.name = name
         self.summed = None
-        self.unit = unit
+        self.count_unit = count_unit
         self.total = 0.0
         self.weight = None
         self.count = None
@@ -213,9 +213,9 @@ class ItemCounts:
         if summed:
             self.weight = None
             return True
-        if self.share is not None and self.unit is None:
+        if self.share is not None and self.count_unit is None:
             shared = self.share(count)  # on every rank, until one has items
-            self.unit = shared if shared > 0 else None
+            self.count_unit = shared if shared > 0 else None
         if isinstance(count, torch.Tensor) or isinstance(
                 self.total, torch.Tensor):
             self._add_tensor(count)
@@ -224,11 +224,11 @@ class ItemCounts:
         if not count:
             self.weight = 0.0
             return not (skippable and self.total)  # after items were seen
-        if self.rescale is not None and self.unit not in (None, count):
-            self.rescale(self.unit / count)
-        if self.unit is None or self.rescale is not None:
-            self.unit = count
-        self.weight = count / self.unit
+        if self.rescale is not None and self.count_unit not in (None, count):
+            self.rescale(self.count_unit / count)
+        if self.count_unit is None or self.rescale is not None:
+            self.count_unit = count
+        self.weight = count / self.count_unit
         self.total += count
         return True
 
@@ -244,13 +244,13 @@ class ItemCounts:
         else:
             count = self.total.new_full((), float(count))
         positive = count > 0
-        if self.unit is None:
-            self.unit = torch.where(positive, count, 1.0)
+        if self.count_unit is None:
+            self.count_unit = torch.where(positive, count, 1.0)
         elif self.rescale is not None:
             # unit / 0 is inf, never selected
-            self.rescale(torch.where(positive, self.unit / count, 1.0))
-            self.unit = torch.where(positive, count, self.unit)
-        self.weight = count / self.unit  # 0 without items: the unit is > 0
+            self.rescale(torch.where(positive, self.count_unit / count, 1.0))
+            self.count_unit = torch.where(positive, count, self.count_unit)
+        self.weight = count / self.count_unit  # 0 without items: the unit is > 0
         self.total = self.total + count
         self.count = count
 
@@ -293,11 +293,11 @@ class ItemCounts:
 
         1 for summed losses and for a group without items.
         """
-        if self.summed or self.unit is None:
+        if self.summed or self.count_unit is None:
             return 1.0
         if isinstance(self.total, torch.Tensor):
-            return torch.where(self.total > 0, self.unit / self.total, 1.0)
-        return self.unit / self.total if self.total else 1.0
+            return torch.where(self.total > 0, self.count_unit / self.total, 1.0)
+        return self.count_unit / self.total if self.total else 1.0
 
     def normalize(self):
         """Multiply ``.grad`` by :meth:`mean_scale`, after the last backward."""

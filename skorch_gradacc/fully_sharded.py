@@ -160,12 +160,12 @@ class FullyShardedEngine(DataParallelEngine):
       runs a zero-row pass (:meth:`passes`);
     * the reduce-scatter on the step's last pass only, or on every pass
       with ``sync_each_batch`` (:meth:`context`);
-    * the same unit on every rank: FSDP2 has no hook to scale a rank's
-      gradient before its reduce-scatter. It is 1 (:attr:`unit`): each
+    * the same count unit on every rank: FSDP2 has no hook to scale a rank's
+      gradient before its reduce-scatter. It is 1 (:attr:`count_unit`): each
       backward is weighted by its item count itself; with ``fp16``, whose
       float16 gradients that weight (hundreds of tokens) times the loss
       scale would overflow, it is the largest first count over ranks
-      (:attr:`share_unit`, one all-reduce per step).
+      (:attr:`share_count_unit`, one all-reduce per step).
 
     Parameters
     ----------
@@ -188,7 +188,7 @@ class FullyShardedEngine(DataParallelEngine):
 
     """
 
-    unit = 1.0
+    count_unit = 1.0
 
     def __init__(self, module, sync_each_batch=False, process_group=None,
                  fp16=False):
@@ -196,8 +196,8 @@ class FullyShardedEngine(DataParallelEngine):
         self.sync_each_batch = sync_each_batch
         self.reduce_scatters = 0
         if fp16:
-            self.unit = None
-            self.share_unit = functools.partial(self._over_ranks,
+            self.count_unit = None
+            self.share_count_unit = functools.partial(self._over_ranks,
                                                 op=dist.ReduceOp.MAX)
 
     def passes(self, pieces):

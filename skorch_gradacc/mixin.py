@@ -653,8 +653,9 @@ class GradAccMixin:
         engine = self.get_engine()
         keep_y_pred = getattr(self, '_keep_train_y_pred_', False)
         y_preds = []
-        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)',
-                            share=engine.share_unit)
+        counts = ItemCounts(count_unit=engine.count_unit,
+                            name='count_loss_items(batch)',
+                            share=engine.share_count_unit)
         for piece, is_last in engine.passes(self._pieces(group)):
             if not counts.add(self.count_loss_items(piece),
                               skippable=engine.may_skip(is_last)):
@@ -665,8 +666,8 @@ class GradAccMixin:
                 del piece
                 continue
             if is_last:
-                engine.set_unit(None if counts.summed else (
-                    0.0 if counts.unit is None else counts.unit))
+                engine.set_count_unit(None if counts.summed else (
+                    0.0 if counts.count_unit is None else counts.count_unit))
             try:
                 step = self._train_piece(piece, counts, is_last, **fit_params)
             except _OUT_OF_MEMORY_ERRORS:

@@ -11,8 +11,6 @@ import statistics
 import tokenize
 from pathlib import Path
 
-import pytest
-
 import skorch_gradacc
 
 PACKAGE = Path(skorch_gradacc.__file__).parent
