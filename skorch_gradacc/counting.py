@@ -275,29 +275,33 @@ class ItemCounts:
             return torch.zeros(())
         return torch.stack(self._losses).sum()
 
-    def loss(self):
+    def loss(self, loss_sum=None, total=None):
         """Return the group's loss: the mean over its items, or the sum.
 
-        NaN if the group has no item (the mean of nothing).
+        NaN if the group has no item (the mean of nothing). ``loss_sum`` and
+        ``total`` default to this rank's; an engine passes those of all ranks.
         """
-        summed = self.loss_sum()
+        summed = self.loss_sum() if loss_sum is None else loss_sum
+        total = self.total if total is None else total
         if self.summed:
             return summed
-        if isinstance(self.total, torch.Tensor):
-            return summed / self.total.to(device=summed.device,
-                                          dtype=summed.dtype)
-        return summed / self.total if self.total else torch.tensor(float('nan'))
+        if isinstance(total, torch.Tensor):
+            return summed / total.to(device=summed.device, dtype=summed.dtype)
+        return summed / total if total else torch.tensor(float('nan'))
 
-    def mean_scale(self):
+    def mean_scale(self, total=None, count_unit=None):
         """Return ``u / C``, what makes ``.grad`` the mean's gradient.
 
-        1 for summed losses and for a group without items.
+        1 for summed losses and for a group without items. ``total`` and
+        ``count_unit`` default to this rank's.
         """
-        if self.summed or self.count_unit is None:
+        total = self.total if total is None else total
+        count_unit = self.count_unit if count_unit is None else count_unit
+        if self.summed or count_unit is None:
             return 1.0
-        if isinstance(self.total, torch.Tensor):
-            return torch.where(self.total > 0, self.count_unit / self.total, 1.0)
-        return self.count_unit / self.total if self.total else 1.0
+        if isinstance(total, torch.Tensor):
+            return torch.where(total > 0, count_unit / total, 1.0)
+        return count_unit / total if total else 1.0
 
     def normalize(self):
         """Multiply ``.grad`` by :meth:`mean_scale`, after the last backward."""

@@ -209,8 +209,6 @@ class DataParallelEngine(Engine):
         total, loss, rows = values
         if hasattr(group, 'global_rows'):
             group.global_rows = rows
-        if counts.summed:
-            return loss
         # the summed gradient over all ranks is in units of 1, or of the
         # unit the ranks share; no host sync; with no item on any rank, the
         # gradient is left as it is (zero)
@@ -218,8 +216,8 @@ class DataParallelEngine(Engine):
         if self.share_count_unit is not None and counts.count_unit is not None:
             unit = _on_device(counts.count_unit, self.device)
         scale_gradients(learnable_gradients(net),
-                        torch.where(total > 0, unit / total, 1.0))
-        return loss / total
+                        counts.mean_scale(total=total, count_unit=unit))
+        return counts.loss(loss_sum=loss, total=total)
 
     def all_ranks(self, ok):
         """Return whether ``ok`` holds on every rank (one all-reduce)."""
