@@ -380,7 +380,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         """Return a null context: FSDP2's MixedPrecisionPolicy casts instead."""
         return contextlib.nullcontext()
 
-    def _make_grad_scaler(self):
+    def make_grad_scaler(self):
+        """Return a ShardedGradScaler, which agrees on a skip over ranks."""
         # every rank unscales its shards; the scaler all-reduces whether any
         # was not finite, so that all ranks step or skip alike. The loss is
         # float16 here (no autocast): its gradient, the scale times a

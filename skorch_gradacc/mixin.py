@@ -513,10 +513,11 @@ class GradAccMixin:
         if self.mixed_precision != 'fp16':
             return None
         if getattr(self, 'grad_scaler_', None) is None:
-            self.grad_scaler_ = self._make_grad_scaler()
+            self.grad_scaler_ = self.make_grad_scaler()
         return self.grad_scaler_
 
-    def _make_grad_scaler(self):
+    def make_grad_scaler(self):
+        """Return a new GradScaler for ``mixed_precision='fp16'``."""
         return torch.amp.GradScaler(self._device_type())
 
     def _unscale_gradients(self):
