@@ -4,7 +4,7 @@
 
 Each rank times a validation epoch (the median of 5) of a
 ``DistributedGradAccMixin`` net on 4096 rows, whose batches the ranks share
-(:mod:`skorch_gradacc.sharded_evaluation`), one torch thread each. Saves
+(:mod:`skorch_gradacc.distributed`), one torch thread each. Saves
 ``sharded_validation.json``: the times, their ratio and rank 0's CPU time (its
 work, whatever the load). Expected on two free cores: about 0.5x, plus gathering.
 """

@@ -52,7 +52,7 @@ class ShiftedCrossEntropy(torch.nn.CrossEntropyLoss):
 
 def train_skorch(model, sequences, batch_size, acc_steps):
     from skorch_gradacc import GradAccNeuralNet
-    from skorch_gradacc.loss_items import check_loss_is_mean
+    from skorch_gradacc.counting import check_loss_is_mean
 
     class LM(torch.nn.Module):
         def __init__(self):

@@ -8,11 +8,8 @@ section of the docs' "How it works" for what is held and what was measured.
 
 from skorch_gradacc.accum_grad import AccumGrad
 from skorch_gradacc.callbacks import AccumulationScheduler
-from skorch_gradacc.distributed import (
-    DistributedGradAccMixin,
-    __getattr__,  # noqa: F401 (lazy FSDP2)
-)
-from skorch_gradacc.loss_items import LossItemsWarning
+from skorch_gradacc.counting import LossItemsWarning
+from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
     GradAccNeuralNet,
@@ -22,6 +19,16 @@ from skorch_gradacc.nets import (
 )
 
 __version__ = '0.1.0.dev0'
+
+
+def __getattr__(name):
+    # FSDP2 (torch.distributed.fsdp) is imported only when it is used
+    if name == 'FullyShardedGradAccMixin':
+        from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
+        return FullyShardedGradAccMixin
+    raise AttributeError("module {!r} has no attribute {!r}".format(
+        __name__, name))
+
 
 __all__ = [
     'AccumGrad',

@@ -11,8 +11,8 @@ Inside skorch, use :class:`skorch_gradacc.GradAccMixin` instead.
 
 import torch
 
-from skorch_gradacc.batching import is_positive_int
-from skorch_gradacc.item_counts import ItemCounts, scale_gradients
+from skorch_gradacc.batching import check_positive_int
+from skorch_gradacc.counting import ItemCounts, scale_gradients
 
 __all__ = ['AccumGrad']
 
@@ -20,42 +20,14 @@ __all__ = ['AccumGrad']
 class AccumGrad(torch.optim.Optimizer):
     """Optimizer wrapper that steps once per ``acc_steps`` micro-batches.
 
-    The loop stays the standard one; each ``step()`` call counts one
-    micro-batch:
-
-    * :meth:`zero_grad` clears the gradients at the start of a group and
-      does nothing in the middle of one, so that ``backward`` adds up the
-      gradients of the group's micro-batches in ``.grad``.
-    * :meth:`step` counts micro-batches. The ``acc_steps``-th call
-      normalizes the summed gradient to the group's mean and steps the
-      wrapped optimizer once; the other calls do nothing else.
-    * :meth:`flush` steps a partial group, normalized by what it holds (call
-      it at the end of an epoch whose micro-batches ``acc_steps`` does not
-      divide).
-
-    With equal micro-batches, this is the large-batch loop: each update is
-    the one the wrapped optimizer makes on the group as one batch. When the
-    losses are means over different numbers of items (a short last
-    micro-batch, tokens), call :meth:`set_count` with the number before each
-    ``backward``: the update is then that of the mean over all the items of
-    the group, still without a second copy of the gradients. When the
-    losses are sums, not means, pass ``reduction='sum'``: the gradients are
-    then added up and never divided.
-
-    Attributes
-    ----------
-    optimizer : torch.optim.Optimizer
-      The wrapped optimizer. ``param_groups``, ``state`` and ``defaults``
-      are its own, so a learning-rate scheduler built on the wrapper
-      changes its learning rates.
-
-    acc_steps : int
-      The number of ``step()`` calls (micro-batches) per update.
-
-    stepped : bool
-      Whether the last :meth:`step` or :meth:`flush` applied an update. A
-      loop steps its learning-rate scheduler when it is True, so that the
-      scheduler counts updates, as in the large-batch loop.
+    The loop stays the standard one: :meth:`zero_grad` clears the gradients
+    only at the start of a group, each :meth:`step` counts a micro-batch and
+    the ``acc_steps``-th normalizes the summed gradient to the group's mean
+    and steps the wrapped optimizer once; :meth:`flush` steps a partial
+    group. With losses that are means over different numbers of items,
+    call :meth:`set_count` before each ``backward``; with summed losses,
+    pass ``reduction='sum'``. The docs' page "Accumulation in any PyTorch
+    loop" covers schedulers, hooks, mixed precision and checkpoints.
 
     Parameters
     ----------
@@ -67,35 +39,22 @@ class AccumGrad(torch.optim.Optimizer):
       A positive integer: the number of micro-batches per update.
 
     grad_scaler : torch.amp.GradScaler or None (default=None)
-      For mixed precision with float16: scale each micro-batch's loss with
-      it, ``grad_scaler.scale(loss).backward()``, and leave the rest to the
-      wrapper. Once per group, the wrapper calls ``grad_scaler.step`` (which
-      unscales the gradient and skips the update if it holds inf or NaN)
-      and ``grad_scaler.update``; ``stepped`` is False for a skipped update.
+      For float16: scale each micro-batch's loss with it; the wrapper steps
+      and updates it once per group (``stepped`` is False for a skipped
+      update).
 
     reduction : 'mean' or 'sum' (default='mean')
-      How each micro-batch's loss reduces over its items. ``'mean'``: the
-      update is that of the mean over the group, by micro-batches or by the
-      counts given to :meth:`set_count`. ``'sum'``: the loss is a sum, e.g.
-      of a criterion with ``reduction='sum'``, and the update is that of the
-      sum over the group; :meth:`set_count` is not used.
+      Whether each micro-batch's loss is a mean or a sum over its items.
 
-    Notes
-    -----
-    Hooks go to the wrapped optimizer and receive it as their first
-    argument. Step hooks (:meth:`register_step_pre_hook`, e.g. gradient
-    clipping, and :meth:`register_step_post_hook`) run once per update, on
-    the normalized and unscaled gradient; state-dict hooks
-    (:meth:`register_state_dict_pre_hook` and the like) see the wrapped
-    optimizer's state dict, the ``'optimizer'`` entry of the wrapper's.
+    Attributes
+    ----------
+    optimizer : torch.optim.Optimizer
+      The wrapped optimizer, whose ``param_groups``, ``state`` and
+      ``defaults`` the wrapper shares.
 
-    Counts may be tensors on the gradients' device, e.g. ``(y !=
-    -100).sum()`` (see :meth:`set_count`).
-
-    The gradient of a group in progress is in the parameters' ``.grad``, not
-    in :meth:`state_dict`. Save checkpoints at group boundaries
-    (``position == 0``, e.g. after :meth:`flush`), or save the ``.grad``
-    tensors too.
+    stepped : bool
+      Whether the last :meth:`step` or :meth:`flush` applied an update: step
+      a learning-rate scheduler when it is True.
 
     Examples
     --------
@@ -137,10 +96,7 @@ class AccumGrad(torch.optim.Optimizer):
             raise ValueError(
                 "optimizer must not be LBFGS, which evaluates the loss several "
                 "times per step and so cannot accumulate micro-batches.")
-        if not is_positive_int(acc_steps):
-            raise ValueError(
-                "acc_steps must be a positive integer, got {!r} instead."
-                .format(acc_steps))
+        check_positive_int('acc_steps', acc_steps)
         if grad_scaler is not None and not isinstance(
                 grad_scaler, torch.amp.GradScaler):
             raise TypeError(
@@ -186,10 +142,7 @@ class AccumGrad(torch.optim.Optimizer):
 
     @property
     def position(self):
-        """The number of micro-batches in the current group (0 between groups).
-
-        ``step()`` completes the group when ``position == acc_steps - 1``.
-        """
+        """The number of micro-batches in the current group (0 between groups)."""
         return self._position
 
     @property
@@ -219,8 +172,8 @@ class AccumGrad(torch.optim.Optimizer):
         return [param.grad for group in self.param_groups
                 for param in group['params'] if param.grad is not None]
 
-    def _scale_grads(self, factor):
-        scale_gradients(self._grads(), factor)
+    def _scale_grads(self, scale):
+        scale_gradients(self._grads(), scale)
 
     def zero_grad(self, set_to_none=True):
         """Clear the gradients at the start of a group; else do nothing.
@@ -237,27 +190,11 @@ class AccumGrad(torch.optim.Optimizer):
     def set_count(self, count):
         """Weight the coming micro-batch by the number of items of its loss.
 
-        Call it before the micro-batch's ``backward``, with the number of
-        items its loss is the mean of (rows, or non-padding tokens). The
-        update is then that of the mean loss over all the items of the
-        group, e.g. with a short last micro-batch. Call it for every
-        micro-batch of a group or for none. When the count differs from the
-        previous micro-batch's, the gradients summed so far are rescaled in
-        place, once: no second copy of the gradients is kept.
-
-        A count of 0 says that the micro-batch has no item (all its tokens
-        are padding): it adds nothing to the mean, so its backward must add
-        a zero gradient, as :class:`torch.nn.CrossEntropyLoss` with every
-        target ignored does (a mean written ``sum / count`` gives NaN: divide
-        by ``count.clamp(min=1)``), or be left out. A group whose counts are
-        all 0 is stepped with the gradient its losses gave, as the large
-        batch is.
-
-        A tensor count on a GPU (any device but the CPU) is never read on
-        the host, so no micro-batch waits for the device: the gradients are
-        then rescaled with a tensor factor at every micro-batch, and the
-        count's value is not checked. A tensor on the CPU is read, which
-        waits for nothing, and counts as a number.
+        Call it before the micro-batch's ``backward``, for every micro-batch
+        of a group or for none. The update is then that of the mean over all
+        the group's items. A count of 0 (all padding) adds nothing: its
+        backward must add a zero gradient, or be left out. A tensor count on
+        a GPU is never read on the host.
 
         Parameters
         ----------
@@ -283,9 +220,8 @@ class AccumGrad(torch.optim.Optimizer):
         Parameters
         ----------
         closure : callable or None (default=None)
-          If given, it is called once, under :func:`torch.enable_grad`, to
-          compute this micro-batch's loss and ``backward`` (its own
-          ``zero_grad`` call is the wrapper's). The wrapped optimizer never
+          Called once, under :func:`torch.enable_grad`, for this
+          micro-batch's loss and ``backward``; the wrapped optimizer never
           sees it.
 
         Returns
@@ -351,14 +287,13 @@ class AccumGrad(torch.optim.Optimizer):
     def state_dict(self):
         """Return the wrapped optimizer's state and the position in the group.
 
-        The gradient of a group in progress is not included: it is in the
-        parameters' ``.grad``.
+        Not the gradient of a group in progress, which is in ``.grad``.
         """
         return {
             'optimizer': self.optimizer.state_dict(),
             'acc_steps': self.acc_steps,
             'position': self._position,
-            'unit': self._counts.unit,
+            'unit': self._counts.count_unit,
             'total': self._counts.total,
             'counted': self._counted,
         }
@@ -382,7 +317,7 @@ class AccumGrad(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict['optimizer'])
         self._start_group()
         self._position = state_dict['position']
-        self._counts.unit = state_dict['unit']
+        self._counts.count_unit = state_dict['unit']
         self._counts.total = state_dict['total']
         self._counted = state_dict['counted']
 
@@ -391,57 +326,30 @@ class AccumGrad(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def register_step_pre_hook(self, hook):
-        """Register a hook that runs before each update, once per group.
-
-        It is registered on the wrapped optimizer: see
-        :meth:`torch.optim.Optimizer.register_step_pre_hook`.
-        """
+        """Register a hook that runs before each update, once per group."""
         return self.optimizer.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook):
-        """Register a hook that runs after each update, once per group.
-
-        It is registered on the wrapped optimizer: see
-        :meth:`torch.optim.Optimizer.register_step_post_hook`.
-        """
+        """Register a hook that runs after each update, once per group."""
         return self.optimizer.register_step_post_hook(hook)
 
     def register_state_dict_pre_hook(self, hook, prepend=False):
-        """Register a hook that runs before the wrapped optimizer's state dict.
-
-        It is registered on the wrapped optimizer: see
-        :meth:`torch.optim.Optimizer.register_state_dict_pre_hook`.
-        """
+        """Register a state-dict pre-hook on the wrapped optimizer."""
         return self.optimizer.register_state_dict_pre_hook(
             hook, prepend=prepend)
 
     def register_state_dict_post_hook(self, hook, prepend=False):
-        """Register a hook that may change the wrapped optimizer's state dict.
-
-        It is registered on the wrapped optimizer: see
-        :meth:`torch.optim.Optimizer.register_state_dict_post_hook`. The
-        dict it receives is the ``'optimizer'`` entry of :meth:`state_dict`.
-        """
+        """Register a hook on the wrapped optimizer's state dict."""
         return self.optimizer.register_state_dict_post_hook(
             hook, prepend=prepend)
 
     def register_load_state_dict_pre_hook(self, hook, prepend=False):
-        """Register a hook that runs before the wrapped optimizer loads its state.
-
-        It is registered on the wrapped optimizer: see
-        :meth:`torch.optim.Optimizer.register_load_state_dict_pre_hook`. The
-        dict it receives is the ``'optimizer'`` entry of the dict given to
-        :meth:`load_state_dict`.
-        """
+        """Register a load-state-dict pre-hook on the wrapped optimizer."""
         return self.optimizer.register_load_state_dict_pre_hook(
             hook, prepend=prepend)
 
     def register_load_state_dict_post_hook(self, hook, prepend=False):
-        """Register a hook that runs after the wrapped optimizer loads its state.
-
-        It is registered on the wrapped optimizer: see
-        :meth:`torch.optim.Optimizer.register_load_state_dict_post_hook`.
-        """
+        """Register a load-state-dict post-hook on the wrapped optimizer."""
         return self.optimizer.register_load_state_dict_post_hook(
             hook, prepend=prepend)
 

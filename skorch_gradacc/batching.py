@@ -1,57 +1,36 @@
-"""Split a batch into micro-batches and join their outputs again.
+"""Batches, their lengths and their pieces, and the run they flow through.
 
-These helpers know the shapes of data that skorch's iterators yield: usually
-a pair ``(X, y)`` whose members are tensors, numpy arrays, pandas objects, or
-dicts and lists/tuples of those. Splitting is done with
-:func:`skorch.utils.multi_indexing`, so tensors are split into views and no
-data is copied. :func:`is_positive_int` checks a number of micro-batches or
-rows.
+The data is what skorch's iterators yield: usually ``(X, y)`` whose members
+are tensors, arrays, pandas objects, or dicts and sequences of those.
+:func:`split_batch` makes views (:func:`skorch.utils.multi_indexing`), never
+copies. The checks and the ranks here are shared by the package's modules.
 """
 
 import numbers
+import os
+import sys
+from pathlib import Path
 
+import numpy as np
 import torch
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
-__all__ = ['batch_len', 'concat_outputs', 'detach_outputs', 'is_positive_int',
-           'split_batch']
+__all__ = []
 
 
 def batch_len(batch):
-    """Return the number of rows in a batch, the way skorch counts them.
-
-    Examples
-    --------
-    >>> import torch
-    >>> batch_len((torch.zeros(5, 2), torch.zeros(5)))
-    5
-
-    """
+    """Return the number of rows in a batch, the way skorch counts them."""
     if isinstance(batch, (tuple, list)):
         return get_len(batch[0])
     return get_len(batch)
 
 
 def split_batch(batch, micro_batch_size):
-    """Split a batch into consecutive micro-batches.
+    """Split a batch into consecutive pieces of ``micro_batch_size`` rows.
 
-    Parameters
-    ----------
-    batch : tuple, list, or data
-      A batch as yielded by the net's iterator, usually ``(X, y)``. Each
-      member of a tuple or list (e.g. also ``(X, y, sample_weight)``) is
-      split along its first axis; ``None`` members stay ``None``.
-
-    micro_batch_size : int
-      The largest number of rows in one micro-batch.
-
-    Returns
-    -------
-    micro_batches : list
-      The micro-batches, each of the same structure as ``batch``. Every row
-      of ``batch`` is in exactly one of them, in the original order; all but
-      the last hold ``micro_batch_size`` rows.
+    Each member of a tuple or list batch is split along its first axis;
+    ``None`` members stay ``None``.
 
     Examples
     --------
@@ -71,6 +50,33 @@ def split_batch(batch, micro_batch_size):
         else:
             micro_batches.append(multi_indexing(batch, rows))
     return micro_batches
+
+
+def zero_rows(batch):
+    """Return a batch of the same structure and trailing shapes, with 0 rows.
+
+    It holds no reference to ``batch``'s data. A rank without a piece runs
+    its passes on it, for the collectives; its gradient is zero.
+
+    Examples
+    --------
+    >>> import torch
+    >>> X, y = zero_rows((torch.ones(4, 3), torch.zeros(4)))
+    >>> X.shape, y.shape
+    (torch.Size([0, 3]), torch.Size([0]))
+
+    """
+    if batch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return batch[:0].clone()
+    if isinstance(batch, dict):
+        return type(batch)((key, zero_rows(value))
+                           for key, value in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(zero_rows(data) for data in batch)
+    empty = multi_indexing(batch, slice(0, 0))
+    return empty.copy() if isinstance(empty, np.ndarray) else empty
 
 
 def _apply(fn, outputs):
@@ -100,33 +106,15 @@ def _apply(fn, outputs):
 
 
 def detach_outputs(output):
-    """Detach a module output (a tensor or a nest of tensors) from its graph.
-
-    Examples
-    --------
-    >>> import torch
-    >>> w = torch.ones(2, requires_grad=True)
-    >>> detach_outputs((w * 2, {'a': w * 3}))[1]['a'].requires_grad
-    False
-
-    """
+    """Detach a module output (a tensor or a nest of tensors) from its graph."""
     return _apply(lambda tensors: tensors[0].detach(), [output])
 
 
 def concat_outputs(outputs):
-    """Concatenate the outputs of several micro-batches along the first axis.
+    """Concatenate the outputs of several pieces along the first axis.
 
-    Parameters
-    ----------
-    outputs : list
-      The module outputs of the micro-batches, in order. Each is a tensor, or
-      a dict, tuple or list of tensors with the same structure.
-
-    Returns
-    -------
-    output
-      One output of the same structure, as the module would have returned
-      for the whole batch; the output itself if there is only one.
+    Each output is a tensor, or a dict, tuple or list of tensors with the
+    same structure; a single one is returned as it is, not copied.
 
     Examples
     --------
@@ -140,7 +128,61 @@ def concat_outputs(outputs):
     return _apply(torch.cat, outputs)
 
 
+def length_or_none(iterable):
+    """Return ``len(iterable)``, or None if it has no length.
+
+    E.g. a DataLoader over an ``IterableDataset`` without one.
+    """
+    try:
+        return len(iterable)
+    except TypeError:
+        return None
+
+
 def is_positive_int(value):
     """Whether ``value`` is an integer of at least 1, and not a bool."""
     return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
             and value >= 1)
+
+
+def check_positive_int(name, value, others=''):
+    """Raise a ValueError unless ``value`` is a positive integer.
+
+    ``others`` names the other values allowed, e.g. ``"None, 'auto' or "``.
+    """
+    if not is_positive_int(value):
+        raise ValueError("{} must be {}a positive integer, got {!r} instead."
+                         .format(name, others, value))
+
+
+def _distributed():
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def n_ranks():
+    """Return the number of ranks of the default process group; 1 without one."""
+    return torch.distributed.get_world_size() if _distributed() else 1
+
+
+def this_rank():
+    """Return this process's rank in the default process group; 0 without one."""
+    return torch.distributed.get_rank() if _distributed() else 0
+
+
+_INTERNAL = tuple(str(Path(module.__file__).parent) + os.sep
+                  for module in (sys.modules['skorch'], torch,
+                                 sys.modules[__name__.rpartition('.')[0]]))
+
+
+def user_stacklevel():
+    """Return the ``stacklevel`` of a warning that points at the user's call.
+
+    That is the first frame, from the function that warns outwards, whose
+    code is not this package's, skorch's or torch's (an optimizer's step).
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(
+            _INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,8 +1,18 @@
-"""Callbacks that know about gradient accumulation."""
+"""Callbacks that know about gradient accumulation, and what callbacks read.
 
-from skorch.callbacks import Callback
+A GradAcc net frees each micro-batch after its backward pass, so it must
+know before the epoch what the callbacks read of a training group
+(:func:`train_batch_reads`); the docs' "Callbacks and memory" section says
+how a callback declares it. :func:`count_steps_in_progress_bars` makes
+skorch's :class:`~skorch.callbacks.ProgressBar` count optimizer steps.
+"""
 
-from skorch_gradacc.batching import is_positive_int
+import math
+import warnings
+
+from skorch.callbacks import BatchScoring, Callback, EpochScoring, ProgressBar
+
+from skorch_gradacc.batching import check_positive_int, user_stacklevel
 
 __all__ = ['AccumulationScheduler']
 
@@ -12,12 +22,9 @@ class AccumulationScheduler(Callback):
 
     The skorch counterpart of Lightning's ``GradientAccumulationScheduler``,
     and a way to "increase the batch size instead of decaying the learning
-    rate" (Smith et al., 2018). The new value takes effect at the start of
-    an epoch, never inside one: the epoch's micro-batches are grouped by
-    it. Each epoch's value is recorded in the
-    history as ``acc_steps``. Per-batch learning-rate schedulers keep
-    counting optimizer steps. The net's ``acc_steps`` parameter is left as
-    it is: the scheduled value lives in ``acc_steps_`` during training.
+    rate" (Smith et al., 2018). A new value takes effect at the start of an
+    epoch and is recorded in the history as ``acc_steps``; the net's own
+    ``acc_steps`` is left as it is (the scheduled value is ``acc_steps_``).
 
     Parameters
     ----------
@@ -67,8 +74,132 @@ class AccumulationScheduler(Callback):
 
     @staticmethod
     def _check(epoch, acc_steps):
-        if not is_positive_int(acc_steps):
+        check_positive_int(
+            'AccumulationScheduler: the acc_steps of epoch {!r}'.format(epoch),
+            acc_steps)
+
+
+# What callbacks read of a training batch
+
+READABLE = frozenset({'X', 'y', 'y_pred'})
+BATCH_METHODS = ('on_batch_begin', 'on_grad_computed', 'on_batch_end')
+
+UNDECLARED_READS_MESSAGE = (
+    "{net} keeps whole training groups for callback {name!r} ({cls}): it "
+    "overrides {methods} without declaring what it reads, so memory grows "
+    "with acc_steps. Declare it in its class: train_batch_reads = () for "
+    "nothing, or e.g. ('y_pred',).")
+
+
+def _owner(cls, name):
+    """Return the class in ``cls``'s MRO that defines method ``name``."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    return None
+
+
+def _own_batch_methods(cls):
+    """Return the batch methods that ``cls`` overrides outside skorch."""
+    return [name for name in BATCH_METHODS
+            if (_owner(cls, name) is not None
+                and not _is_skorchs(_owner(cls, name)))]
+
+
+def _is_skorchs(klass):
+    """Whether ``klass`` is one of skorch's callbacks (or its base class)."""
+    return klass.__module__.startswith('skorch.callbacks')
+
+
+def _effective_caching(net, callback):
+    """``use_caching`` as skorch's scorers apply it: the net's wins."""
+    if net.use_caching != 'auto':
+        return bool(net.use_caching)
+    return bool(callback.use_caching)
+
+
+def skorch_reads(net, callback):
+    """Return what one of skorch's own callbacks reads of a training batch."""
+    if isinstance(callback, EpochScoring):
+        # on_batch_end caches the targets (unpack_data(batch)) and y_pred
+        if callback.on_train and _effective_caching(net, callback):
+            return frozenset({'y', 'y_pred'})
+        return frozenset()
+    if isinstance(callback, BatchScoring):
+        # on_batch_end scores (X, y), with the cached y_pred if caching
+        if not callback.on_train:
+            return frozenset()
+        if _effective_caching(net, callback):
+            return READABLE
+        return frozenset({'X', 'y'})
+    return frozenset()
+
+
+def callback_reads(net, callback):
+    """Return what ``callback`` reads of a training batch, and when.
+
+    Returns ``(reads, at_begin)``: a subset of ``{'X', 'y', 'y_pred'}``, and
+    whether inputs or targets are read in ``on_batch_begin`` (then the whole
+    group is pulled at once). Raises a ValueError for a bad
+    ``train_batch_reads``.
+    """
+    cls = type(callback)
+    # read from the class, so that a Mock, whose attributes all exist,
+    # declares nothing
+    declared = getattr(cls, 'train_batch_reads', None)
+    own = _own_batch_methods(cls)
+    if declared is not None:
+        if isinstance(declared, str) or not set(declared) <= READABLE:
             raise ValueError(
-                "AccumulationScheduler: the schedule gives acc_steps={!r} for "
-                "epoch {!r}; it must be a positive integer.".format(
-                    acc_steps, epoch))
+                "{}.train_batch_reads must be a collection of 'X', 'y' and "
+                "'y_pred', e.g. ('y_pred',) or (), got {!r} instead.".format(
+                    cls.__name__, declared))
+        reads = frozenset(declared)
+    elif own:
+        reads = READABLE
+    else:
+        return skorch_reads(net, callback), False
+    at_begin = 'on_batch_begin' in own and bool(reads & {'X', 'y'})
+    return reads, at_begin
+
+
+def train_batch_reads(net, callbacks):
+    """Return what ``callbacks`` read of a training batch, and when.
+
+    The union of :func:`callback_reads`. Warns once per net and callback
+    name about a callback that reads undeclared, so gets the whole group.
+    """
+    reads, at_begin = set(), False
+    for name, callback in callbacks:
+        cls = type(callback)
+        cb_reads, cb_at_begin = callback_reads(net, callback)
+        reads |= cb_reads
+        at_begin |= cb_at_begin
+        methods = _own_batch_methods(cls)
+        if (methods and getattr(cls, 'train_batch_reads', None) is None
+                and name not in net.undeclared_reads_warned_):
+            net.undeclared_reads_warned_.add(name)
+            warnings.warn(UNDECLARED_READS_MESSAGE.format(
+                net=type(net).__name__, name=name, cls=cls.__name__,
+                methods=' and '.join(methods)), UserWarning,
+                stacklevel=user_stacklevel())
+    return reads, at_begin
+
+
+def count_steps_in_progress_bars(net, dataset_train, acc_steps):
+    """Make each ProgressBar with ``batches_per_epoch='auto'`` count steps.
+
+    skorch's bar counted the epoch's micro-batches of ``batch_size`` rows;
+    a GradAcc net's training batch is a group of ``acc_steps`` of them.
+    """
+    if dataset_train is None or acc_steps == 1:
+        return
+    for _, cb in net.callbacks_:
+        if not (isinstance(cb, ProgressBar) and cb.batches_per_epoch == 'auto'):
+            continue
+        pbar = getattr(cb, 'pbar_', None)
+        if pbar is None or pbar.total is None:
+            continue
+        micro = cb._get_batches_per_epoch_phase(net, dataset_train, True)
+        if micro > 0:
+            pbar.total += math.ceil(micro / acc_steps) - micro

@@ -10,7 +10,7 @@ the skip decision. An engine supplies only what differs:
   an engine may pad or agree on with the other ranks;
 * :meth:`Engine.context`: the context of each backward, which reduces the
   gradient over ranks or not;
-* :attr:`Engine.unit` and :meth:`Engine.set_unit`: how the count-weighted
+* :attr:`Engine.count_unit` and :meth:`Engine.set_count_unit`: how the count-weighted
   gradients are summed over ranks;
 * :meth:`Engine.end_step` and :meth:`Engine.all_ranks`: the end of the
   step, and the decisions that every rank must take alike.
@@ -33,12 +33,12 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from skorch_gradacc.batching import zero_rows
+from skorch_gradacc.counting import scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
-from skorch_gradacc.item_counts import scale_gradients
-from skorch_gradacc.sharding import ShardedMicroBatchGroups, zero_rows
+from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
-__all__ = ['DDPEngine', 'DataParallelEngine', 'Engine', 'engine_for',
-           'learnable_gradients']
+__all__ = ['Engine']
 
 
 class Engine:
@@ -46,10 +46,10 @@ class Engine:
 
     For each step, :class:`~skorch_gradacc.GradAccMixin` calls
     :meth:`groups` (once per epoch), then for every pass of :meth:`passes`:
-    :meth:`set_unit` before the rank's last backward, and the backward under
+    :meth:`set_count_unit` before the rank's last backward, and the backward under
     :meth:`context`; then :meth:`end_step`. Each backward computes the
     gradient of its loss times ``c / u`` (``c`` its item count, ``u`` the
-    unit: :attr:`unit`, or the first positive count), so that after the last
+    unit: :attr:`count_unit`, or the first positive count), so that after the last
     one ``.grad`` is ``1 / u`` times the gradient of the summed loss.
 
     Parameters
@@ -59,17 +59,17 @@ class Engine:
 
     Attributes
     ----------
-    unit : float or None
+    count_unit : float or None
       The unit of every rank's counts (class attribute): None for the first
       positive count of the rank's step.
 
     """
 
-    unit = None
+    count_unit = None
 
     #: None, or what gives every rank the same unit: a callable that returns
     #: the largest of a count over ranks (FSDP2 under fp16)
-    share_unit = None
+    share_count_unit = None
 
     def __init__(self, module=None):
         self.module = module
@@ -91,10 +91,10 @@ class Engine:
         """Return the context of a backward; ``syncs``: the rank's last."""
         return contextlib.nullcontext()
 
-    def set_unit(self, unit):
+    def set_count_unit(self, count_unit):
         """Say, before the last backward, what ``.grad`` is in units of.
 
-        ``unit`` is None for a summed loss, else the count ``u`` (0 when
+        ``count_unit`` is None for a summed loss, else the count ``u`` (0 when
         the rank's pieces have no item).
         """
 
@@ -119,9 +119,9 @@ class Engine:
         """Finish the step after its last backward; return its loss.
 
         Divides ``.grad`` by the group's count, in units of ``u``
-        (:meth:`~skorch_gradacc.item_counts.ItemCounts.factor`).
+        (:meth:`~skorch_gradacc.counting.ItemCounts.mean_scale`).
         """
-        scale_gradients(learnable_gradients(net), counts.factor())
+        scale_gradients(learnable_gradients(net), counts.mean_scale())
         return counts.loss()
 
     def all_ranks(self, ok):
@@ -209,17 +209,15 @@ class DataParallelEngine(Engine):
         total, loss, rows = values
         if hasattr(group, 'global_rows'):
             group.global_rows = rows
-        if counts.summed:
-            return loss
         # the summed gradient over all ranks is in units of 1, or of the
         # unit the ranks share; no host sync; with no item on any rank, the
         # gradient is left as it is (zero)
         unit = 1.0
-        if self.share_unit is not None and counts.unit is not None:
-            unit = _on_device(counts.unit, self.device)
+        if self.share_count_unit is not None and counts.count_unit is not None:
+            unit = _on_device(counts.count_unit, self.device)
         scale_gradients(learnable_gradients(net),
-                        torch.where(total > 0, unit / total, 1.0))
-        return loss / total
+                        counts.mean_scale(total=total, count_unit=unit))
+        return counts.loss(loss_sum=loss, total=total)
 
     def all_ranks(self, ok):
         """Return whether ``ok`` holds on every rank (one all-reduce)."""
@@ -266,11 +264,11 @@ class DDPEngine(DataParallelEngine):
     a communication hook that sums each rank's gradient over ranks;
     :meth:`~DataParallelEngine.end_step` then divides by the step's item
     count over all ranks. Each backward is weighted by its item count
-    (:attr:`unit` 1), so that ``.grad`` is the gradient of the rank's summed
+    (:attr:`count_unit` 1), so that ``.grad`` is the gradient of the rank's summed
     loss. With ``fp16``, a weight of ``c`` times the GradScaler's scale
     could overflow the float16 gradients of the activations: the unit is
     then the rank's first count ``u``, and the hook first multiplies by
-    ``factor = u`` (:meth:`set_unit`). The hook replaces
+    ``bucket_scale = u`` (:meth:`set_count_unit`). The hook replaces
     DDP's default one, which averages over ranks; like that one, it starts
     each bucket's all-reduce as soon as the bucket is ready, which overlaps
     the rest of the backward (see :func:`_scaled_allreduce_hook`).
@@ -293,10 +291,10 @@ class DDPEngine(DataParallelEngine):
 
     Attributes
     ----------
-    unit : float or None
+    count_unit : float or None
       1, or None with ``fp16``.
 
-    factor : float or torch.Tensor
+    bucket_scale : float or torch.Tensor
       What the next all-reduce multiplies this rank's gradient by.
 
     allreduces : int
@@ -316,8 +314,8 @@ class DDPEngine(DataParallelEngine):
                 "module wrapped with static_graph=True does not support; wrap "
                 "it without static_graph.")
         super().__init__(module, process_group=process_group, shard=shard)
-        self.unit = None if fp16 else 1.0
-        self.factor = 1.0
+        self.count_unit = None if fp16 else 1.0
+        self.bucket_scale = 1.0
         self.allreduces = 0
         self.pending = []
         module.register_comm_hook(self, _scaled_allreduce_hook)
@@ -359,9 +357,9 @@ class DDPEngine(DataParallelEngine):
         """``no_sync()`` unless this is the rank's last backward."""
         return contextlib.nullcontext() if syncs else self.module.no_sync()
 
-    def set_unit(self, unit):
-        """Set the hook's factor: ``u`` (0 without items), 1 if summed."""
-        self.factor = 1.0 if unit is None else unit
+    def set_count_unit(self, count_unit):
+        """Set the hook's bucket_scale: ``u`` (0 without items), 1 if summed."""
+        self.bucket_scale = 1.0 if count_unit is None else count_unit
 
 
 def engine_for(module, fp16=False, shard=False):
@@ -392,7 +390,7 @@ def _on_device(value, device):
 
 
 def _scaled_allreduce_hook(state, bucket):
-    """Multiply this rank's bucket by ``state.factor``; sum it over ranks.
+    """Multiply this rank's bucket by ``state.bucket_scale``; sum it over ranks.
 
     The all-reduce is asynchronous, so that it overlaps the backward of the
     layers before the bucket (on gloo's threads, or NCCL's stream), as with
@@ -406,8 +404,8 @@ def _scaled_allreduce_hook(state, bucket):
     take the GIL of an interpreter that is shutting down).
     """
     tensor = bucket.buffer()
-    if isinstance(state.factor, torch.Tensor) or state.factor != 1:
-        tensor.mul_(state.factor)
+    if isinstance(state.bucket_scale, torch.Tensor) or state.bucket_scale != 1:
+        tensor.mul_(state.bucket_scale)
     state.allreduces += 1
     future = torch.futures.Future(
         devices=[tensor.device] if tensor.is_cuda else None)

@@ -1,21 +1,11 @@
 """Fully sharded data-parallel training (FSDP2) of GradAcc nets.
 
 :class:`FullyShardedGradAccMixin` shards the module's parameters, gradients
-and optimizer state over the ranks with PyTorch's
-:func:`torch.distributed.fsdp.fully_shard`, for models that do not fit one
-device together with their gradients and optimizer state. In one place
-each:
-
-* which submodules become FSDP units: :func:`shard_module`;
-* what FSDP2 needs of the step (one loop serves every engine: see
-  :meth:`skorch_gradacc.GradAccMixin.accumulate_gradients`): the same
-  passes on every rank, the reduce-scatter, and the unit of the counts:
-  :class:`FullyShardedEngine`;
-* one full, unsharded checkpoint, written by rank 0 and read by every
-  rank: :meth:`FullyShardedGradAccMixin._checkpoint_states` (with
-  :class:`~skorch_gradacc.checkpoints.RankZeroCheckpointMixin`), and skorch's own
-  ``save_params`` and ``load_params`` through
-  :meth:`FullyShardedGradAccMixin._get_module`.
+and optimizer state over the ranks with
+:func:`torch.distributed.fsdp.fully_shard`: :func:`shard_module` makes the
+FSDP units, :class:`FullyShardedEngine` is what the step needs of FSDP2,
+and :meth:`FullyShardedGradAccMixin.checkpoint_states` gathers one full
+checkpoint for rank 0 to write.
 """
 
 import contextlib
@@ -25,12 +15,14 @@ import torch
 import torch.distributed as dist
 from skorch.utils import _check_f_arguments
 
-from skorch_gradacc.checkpoints import RankZeroCheckpointMixin
+from skorch_gradacc.batching import zero_rows
+from skorch_gradacc.distributed import (
+    RankRandomStreamMixin,
+    RankZeroCheckpointMixin,
+    ShardedEvaluationMixin,
+)
 from skorch_gradacc.engine import DataParallelEngine
-from skorch_gradacc.precision import AUTOCAST_DTYPES
-from skorch_gradacc.rank_streams import RankRandomStreamMixin
-from skorch_gradacc.sharded_evaluation import ShardedEvaluationMixin
-from skorch_gradacc.sharding import zero_rows
+from skorch_gradacc.mixin import AUTOCAST_DTYPES
 
 #: The oldest torch whose FSDP2 this module uses: ``fully_shard``, and
 #: ``set_force_sum_reduction_for_comms`` for sum-only reductions on gloo.
@@ -59,7 +51,7 @@ except ImportError as error:
 if not hasattr(FSDPModule, 'set_force_sum_reduction_for_comms'):
     raise ImportError(_TOO_OLD)
 
-__all__ = ['FullyShardedEngine', 'FullyShardedGradAccMixin', 'shard_module']
+__all__ = ['FullyShardedGradAccMixin']
 
 #: Classes that are FSDP units by default, wherever they are in the module.
 TRANSFORMER_BLOCKS = (torch.nn.TransformerEncoderLayer,
@@ -168,12 +160,12 @@ class FullyShardedEngine(DataParallelEngine):
       runs a zero-row pass (:meth:`passes`);
     * the reduce-scatter on the step's last pass only, or on every pass
       with ``sync_each_batch`` (:meth:`context`);
-    * the same unit on every rank: FSDP2 has no hook to scale a rank's
-      gradient before its reduce-scatter. It is 1 (:attr:`unit`): each
+    * the same count unit on every rank: FSDP2 has no hook to scale a rank's
+      gradient before its reduce-scatter. It is 1 (:attr:`count_unit`): each
       backward is weighted by its item count itself; with ``fp16``, whose
       float16 gradients that weight (hundreds of tokens) times the loss
       scale would overflow, it is the largest first count over ranks
-      (:attr:`share_unit`, one all-reduce per step).
+      (:attr:`share_count_unit`, one all-reduce per step).
 
     Parameters
     ----------
@@ -196,7 +188,7 @@ class FullyShardedEngine(DataParallelEngine):
 
     """
 
-    unit = 1.0
+    count_unit = 1.0
 
     def __init__(self, module, sync_each_batch=False, process_group=None,
                  fp16=False):
@@ -204,8 +196,8 @@ class FullyShardedEngine(DataParallelEngine):
         self.sync_each_batch = sync_each_batch
         self.reduce_scatters = 0
         if fp16:
-            self.unit = None
-            self.share_unit = functools.partial(self._over_ranks,
+            self.count_unit = None
+            self.share_count_unit = functools.partial(self._over_ranks,
                                                 op=dist.ReduceOp.MAX)
 
     def passes(self, pieces):
@@ -273,59 +265,13 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     instead of :class:`~skorch_gradacc.DistributedGradAccMixin` when the
     model, its gradients and its optimizer state do not fit on one device:
     each rank holds ``1 / world_size`` of each, and gathers one unit's
-    parameters at a time for the forward and backward passes.
-
-    * The module is sharded in place with
-      :func:`torch.distributed.fsdp.fully_shard`: each unit (see
-      ``shard_classes``), then the root. The optimizer is built on the
-      sharded parameters.
-    * The training iterator is the user's own, sharded by micro-batch:
-      rank ``r`` takes micro-batches ``r, r + W, r + 2W, ...``
-      (:mod:`skorch_gradacc.sharding`, as with
-      :class:`~skorch_gradacc.DistributedGradAccMixin`). So ``W`` ranks
-      with ``acc_steps=k`` train like one process with ``acc_steps=k * W``
-      on the same iterator. A rank with fewer micro-batches in the last
-      step runs zero-row forward and backward passes instead, which add
-      nothing, so that every rank runs as many passes (the ranks agree on
-      them before each pass: :class:`FullyShardedEngine`).
-    * The step is every engine's
-      (:meth:`~skorch_gradacc.GradAccMixin.accumulate_gradients`), with all
-      of the single process's options. Each backward computes the gradient
-      of its loss times its item count (:meth:`count_loss_items`); the
-      reduce-scatter sums over the ranks. By default the gradients stay
-      unsharded and local until the step's last pass, which
-      reduce-scatters once per step. After it, one all-reduce of three
-      numbers (the step's item count, loss sum and rows over all ranks)
-      gives the count ``C``, and each rank divides its gradient shard by
-      ``C``: the update
-      is that of the single process with ``batch_size * acc_steps *
-      world_size``, and the history's ``train_loss`` and
-      ``train_batch_size`` are those of the whole step over all ranks.
-    * ``save_params`` and ``load_params``, called on every rank, write and
-      read one full, unsharded checkpoint, in the format of a plain net;
-      rank 0 writes.
-
-    Every forward pass gathers parameters from all ranks, so every rank must
-    take part in every forward pass: in training (the mixin sees to it), in
-    validation and ``predict`` (shared among the ranks, see
-    :mod:`skorch_gradacc.sharded_evaluation`), which must be called on
-    every rank. With
-    ``micro_batch_size='auto'``, a pass that runs out of memory on one rank
-    is finished as a zero-row pass, and every rank backs off to the same
-    size; with ``skip_nonfinite``, the ranks skip a step if any shard is not
-    finite. Only the module (``module_``) is sharded; the optimizer must
-    hold its parameters only.
-
-    The net's ``mixed_precision`` becomes FSDP's
-    :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters are
-    gathered and used in bfloat16 or float16, gradients reduced in float32
-    and the sharded parameters kept in their own dtype, and no autocast is
-    used. With ``'fp16'``, a
-    :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`
-    scales the losses and all-reduces whether any shard overflowed. Each
-    backward is then weighted by its item count over the largest first
-    count of the ranks, as near 1 as in one process, so that the scale
-    settles where it does there.
+    parameters at a time. The iterator is sharded, and the step weighted,
+    as with DDP; every rank runs as many passes (zero-row ones where it has
+    no micro-batch), so validation, prediction, ``save_params`` and
+    ``load_params`` must be called on every rank. ``mixed_precision``
+    becomes FSDP's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`,
+    with a ``ShardedGradScaler`` for ``'fp16'``. The docs' "Scaling out"
+    page gives the details.
 
     .. note::
 
@@ -430,11 +376,12 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
                                       fp16=self.mixed_precision == 'fp16')
         return super().make_engine()
 
-    def _autocast(self):
-        # mixed_precision is FSDP's MixedPrecisionPolicy, not autocast
+    def autocast(self):
+        """Return a null context: FSDP2's MixedPrecisionPolicy casts instead."""
         return contextlib.nullcontext()
 
-    def _make_grad_scaler(self):
+    def make_grad_scaler(self):
+        """Return a ShardedGradScaler, which agrees on a skip over ranks."""
         # every rank unscales its shards; the scaler all-reduces whether any
         # was not finite, so that all ranks step or skip alike. The loss is
         # float16 here (no autocast): its gradient, the scale times a
@@ -486,7 +433,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     save_needs_every_rank = True  # the full states are gathered
 
     @contextlib.contextmanager
-    def _checkpoint_states(self, files):
+    def checkpoint_states(self, files):
         """Gather the full states to save from all ranks (collective)."""
         modules, _ = _check_f_arguments('save_params', **files)
         if getattr(self, 'initialized_', False):

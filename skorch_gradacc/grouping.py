@@ -1,40 +1,21 @@
 """Group the micro-batches of the training iterator, one group per step.
 
-The training iterator is the user's micro-batch iterator, exactly as
-configured (``batch_size``, ``sampler``, ``batch_sampler``, ``collate_fn``,
-an ``IterableDataset``, ``batch_size=None``). :class:`MicroBatchGroups` wraps
-it so that skorch's epoch loop sees one batch per optimizer step: a
-:class:`MicroBatchGroup`, which pulls its ``acc_steps`` micro-batches from the
-iterator one at a time while the net trains on them. When the iterator ends
-inside a group, that group is the final partial group of the epoch; it is
-stepped like any other, before validation.
-
-A group keeps nothing after a micro-batch's backward unless asked to: only
-then does it hold its micro-batches (``keep=True``), e.g. for a callback that
-reads the training batch's inputs, an optimizer that evaluates the group
-again, or ``micro_batch_size='auto'``, which replays the group after an
-out-of-memory error; or only their targets (``keep_targets=True``), for a
-scorer that caches them, as skorch's ``EpochScoring`` does.
+:class:`MicroBatchGroups` wraps the user's training iterator, exactly as
+configured, so that skorch's epoch loop sees one batch per optimizer step:
+a :class:`MicroBatchGroup`, which pulls its ``acc_steps`` micro-batches one
+at a time while the net trains on them. The iterator's end closes the
+epoch's final, partial group. A group keeps its micro-batches, or their
+targets, only when asked to (see
+:meth:`~skorch_gradacc.GradAccMixin.get_train_outputs_needed`).
 """
 
 import math
 
-from skorch_gradacc.batching import batch_len, concat_outputs
+from skorch_gradacc.batching import batch_len, concat_outputs, length_or_none
 
-__all__ = ['MicroBatchGroup', 'MicroBatchGroups', 'length_or_none']
+__all__ = ['MicroBatchGroup', 'MicroBatchGroups']
 
-_END = object()  # what _pull returns when the group has no more
-
-
-def length_or_none(micro_batches):
-    """Return the number of micro-batches an iterator yields, or None.
-
-    None when it has no length, e.g. an ``IterableDataset`` without one.
-    """
-    try:
-        return len(micro_batches)
-    except TypeError:
-        return None
+END = object()  # what an iterator's next() returns when it has no more
 
 
 class MicroBatchGroups:
@@ -101,19 +82,12 @@ class MicroBatchGroups:
 class MicroBatchGroup:
     """The micro-batches of one optimizer step, pulled one at a time.
 
-    skorch's loop passes this object as ``batch`` to ``train_step`` and to
-    the callbacks' ``on_batch_begin`` and ``on_batch_end``.
-    :meth:`micro_batches` yields the micro-batches; each is released as soon
-    as the next one is asked for, unless the group keeps them.
-
-    For the callbacks and the history, the group behaves like the batch of
-    the large-batch net where it can: ``len(group)`` is its number of rows
-    (once it has been trained on, or at once if it keeps its micro-batches),
-    and, if it keeps its micro-batches,
-    ``X, y = group`` and ``group[0]`` give the rows of the whole group,
-    joined. A group that keeps only the targets gives them as ``y`` once it
-    has been trained on, and an ``X`` that raises an error when used. A
-    group that keeps neither raises an error that says how to ask for them.
+    skorch's loop passes it as ``batch`` to ``train_step`` and the
+    callbacks. :meth:`micro_batches` yields the micro-batches, each released
+    when the next is asked for unless the group keeps them. Like the large
+    batch, ``len(group)`` is its rows (once trained on), and a group that
+    keeps its micro-batches gives ``X, y = group`` and ``group[0]`` for the
+    whole group; one that keeps only the targets gives ``y``.
 
     Parameters
     ----------
@@ -128,14 +102,11 @@ class MicroBatchGroup:
       ``source`` ends first.
 
     keep : bool (default=False)
-      Whether to keep the micro-batches once they have been yielded, so that
-      :meth:`micro_batches` can yield them again and the whole group can be
-      read.
+      Whether to keep the micro-batches, to yield them again and to be read
+      whole.
 
     keep_targets : bool (default=False)
-      Whether to keep the targets ``y`` of micro-batches ``(X, y)`` (of other
-      micro-batches: all of them), so that ``X, y = group`` gives the
-      group's targets after it has been trained on.
+      Whether to keep the targets ``y`` of micro-batches ``(X, y)``.
 
     Attributes
     ----------
@@ -164,15 +135,15 @@ class MicroBatchGroup:
         self._exhausted = False
 
     def _pull(self):
-        """Return the next micro-batch from the source, or ``_END``."""
+        """Return the next micro-batch from the source, or ``END``."""
         if self.n_micro_batches >= self.size:
-            return _END
+            return END
         if self.n_micro_batches == 0:
             micro, self._first = self._first, None
         else:
-            micro = next(self._source, _END)  # _END: the epoch ends here
-            if micro is _END:
-                return _END
+            micro = next(self._source, END)  # END: the epoch ends here
+            if micro is END:
+                return END
         self.n_micro_batches += 1
         self.n_rows += batch_len(micro)
         if self.keep:
@@ -186,24 +157,18 @@ class MicroBatchGroup:
     def micro_batches(self):
         """Yield the group's micro-batches in order.
 
-        The first call pulls them from the training iterator. A group that
-        keeps its micro-batches yields them again on later calls, e.g. for
-        a closure optimizer that evaluates the group several times, and a
-        retry after an out-of-memory error.
-
+        The first call pulls them from the training iterator; a group that
+        keeps them yields them again on later calls.
         """
         if self._exhausted and not self.keep:
             raise RuntimeError(
-                "The micro-batches of this group were released after "
-                "their backward pass and cannot be iterated again. "
-                "GradAccMixin keeps them for an optimizer that evaluates "
-                "the group again only when it knows one: LBFGS, several "
-                "optimizers, or an optimizer whose step is not "
-                "torch.optim's own; to keep them in other cases, set "
-                "micro_batch_size='auto' on the net.")
+                "This group's micro-batches were released after their backward "
+                "pass. They are kept for LBFGS, several optimizers or a step "
+                "that is not torch.optim's; in other cases, set "
+                "micro_batch_size='auto' on the net to keep them.")
         yield from self._kept
         if not self._exhausted:
-            for micro in iter(self._pull, _END):
+            for micro in iter(self._pull, END):
                 yield micro
                 del micro  # before the next one is pulled
             self._exhausted = True
@@ -211,9 +176,7 @@ class MicroBatchGroup:
     def is_last(self, index):
         """Whether micro-batch ``index`` (from 0) is the group's last one.
 
-        Known in advance when the training iterator has a length: then the
-        group's ``size`` is exact.
-
+        Known in advance when the training iterator has a length.
         """
         return index == self.size - 1
 
@@ -251,12 +214,9 @@ class MicroBatchGroup:
 
 
 _RELEASED_MESSAGE = (
-    "GradAccMixin streams the micro-batches of a group and releases them "
-    "after their backward pass, so this training batch cannot be read here. "
-    "A callback that reads it declares so in its class attribute "
-    "train_batch_reads, e.g. train_batch_reads = ('X', 'y', 'y_pred'), or "
-    "leaves it out; the net then keeps the group's micro-batches until its "
-    "step is done.")
+    "This training batch was released after its backward pass. A callback "
+    "that reads it declares so in its class, e.g. train_batch_reads = ('X', "
+    "'y', 'y_pred'), and the net keeps the group until its step.")
 
 
 class _ReleasedInputs:

@@ -1,47 +1,43 @@
 """The mixin that gives a skorch net exact gradient accumulation.
 
-Where things happen, in one place each:
-
-* the groups of ``acc_steps`` micro-batches, pulled one at a time from the
-  user's training iterator: :meth:`GradAccMixin.run_single_epoch` and
-  :mod:`skorch_gradacc.grouping`;
-* the optimizer step, once per group: :meth:`GradAccMixin.train_step`;
-* forward and backward on each micro-batch, and the normalization of the
-  summed gradient: :meth:`GradAccMixin.accumulate_gradients`;
-* what a micro-batch's loss is averaged over:
-  :meth:`GradAccMixin.count_loss_items`;
-* what is kept of a group for callbacks:
-  :meth:`GradAccMixin.get_train_outputs_needed`;
-* the rows per forward pass (``micro_batch_size``, the 'auto' back-off):
-  :meth:`GradAccMixin.get_micro_batch_size` and
-  :meth:`GradAccMixin.accumulate_gradients`;
-* autocast, loss scaling and whether a step is skipped (``mixed_precision``,
-  ``skip_nonfinite``): :mod:`skorch_gradacc.precision`;
-* what differs between one process, DDP and FSDP2 (which micro-batches a
-  rank takes, the context of each backward, the sum over ranks, the end of
-  the step): the net's engine, :meth:`GradAccMixin.get_engine` and
-  :mod:`skorch_gradacc.engine`.
+Where things happen, one place each: the groups of micro-batches,
+:meth:`GradAccMixin.run_single_epoch` and :mod:`skorch_gradacc.grouping`;
+the step, :meth:`GradAccMixin.train_step`; forward, backward and the
+weighting of each micro-batch, :meth:`GradAccMixin.accumulate_gradients`;
+mixed precision and skipped steps, :meth:`GradAccMixin._step_optimizer`;
+what differs between one process, DDP and FSDP2, the engine
+(:mod:`skorch_gradacc.engine`).
 """
 
+import contextlib
 import functools
 import inspect
-import math
 import sys
 import types
 
 import numpy as np
 import torch
-from skorch.callbacks import ProgressBar
 from skorch.utils import TeeGenerator
 from torch.utils.data import DistributedSampler
 
-from skorch_gradacc.batch_reads import callback_reads, warn_undeclared_reads
 from skorch_gradacc.batching import (
     batch_len,
+    check_positive_int,
     concat_outputs,
     detach_outputs,
-    is_positive_int,
     split_batch,
+)
+from skorch_gradacc.callbacks import (
+    callback_reads,
+    count_steps_in_progress_bars,
+    train_batch_reads,
+)
+from skorch_gradacc.counting import (
+    ItemCounts,
+    check_loss_is_mean,
+    count_items,
+    scale_gradients,
+    weighted_mean,
 )
 from skorch_gradacc.engine import (
     DataParallelEngine,
@@ -50,58 +46,51 @@ from skorch_gradacc.engine import (
     learnable_gradients,
 )
 from skorch_gradacc.grouping import MicroBatchGroup
-from skorch_gradacc.item_counts import ItemCounts, scale_gradients
-from skorch_gradacc.loss_items import check_loss_is_mean, count_items
-from skorch_gradacc.precision import AUTOCAST_DTYPES, StepDecisionMixin
 
 __all__ = ['GradAccMixin']
+
+AUTOCAST_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 # the micro-batches the loss check tries before it gives up undecided
 LOSS_CHECK_TRIES = 3
 
 
-class GradAccMixin(StepDecisionMixin):
+class SkippedStepReport:
+    """What skorch's LRScheduler reads of ``net.accelerator``.
+
+    ``LRScheduler`` does not step when
+    ``net.accelerator.optimizer_step_was_skipped`` is true (Accelerate's
+    skipped steps). A net without an accelerator answers through this
+    non-data descriptor: true in the ``on_batch_end`` of a skipped step.
+    An ``AccelerateMixin`` net's own accelerator takes precedence.
+    """
+
+    def __init__(self, net=None):
+        self.net = net
+
+    def __get__(self, net, owner=None):
+        return self if net is None else SkippedStepReport(net)
+
+    @property
+    def optimizer_step_was_skipped(self):
+        """Whether the training batch that is ending skipped its step."""
+        return getattr(self.net, '_batch_step_skipped_', False)
+
+
+class GradAccMixin:
     """Mixin class that adds exact gradient accumulation to a skorch net.
 
-    Use it with one of skorch's net classes, e.g. ``class
+    Use it in front of one of skorch's net classes, e.g. ``class
     MyNet(GradAccMixin, NeuralNetClassifier)``, or use one of the ready-made
     classes such as :class:`skorch_gradacc.GradAccNeuralNetClassifier`.
 
     With ``acc_steps=k``, the net takes one optimizer step per group of
-    ``k`` consecutive micro-batches of its training iterator, which is
-    skorch's, exactly as configured (``batch_size``, a sampler or batch
-    sampler, ``collate_fn``, an ``IterableDataset``). Training is that of
-    plain skorch on the unions of those micro-batches, e.g. with
-    ``batch_size=B * k``: the same parameters, the same training history (one
-    row per optimizer step), and training callbacks called once per step.
-    Validation runs at ``batch_size``; the docs' compatibility page says what
-    cannot match the large batch.
-
-    How this is achieved:
-
-    * skorch's epoch loop gets one batch per group, a
-      :class:`~skorch_gradacc.grouping.MicroBatchGroup`, which pulls its
-      micro-batches from the training iterator one at a time while
-      :meth:`train_step` trains on them. The micro-batches left when the
-      iterator ends are the final, partial group of the epoch, stepped
-      like any other, before validation; nothing carries over into the next
-      epoch.
-    * :meth:`accumulate_gradients` runs ``train_step_single`` (forward and
-      ``backward``) on each micro-batch. The gradients add up, each
-      weighted by the number of items its micro-batch's loss averages over
-      (see :meth:`count_loss_items`), and are divided by the group's total
-      once, so a short micro-batch or a partial group is weighted exactly
-      as in the large batch's mean. A criterion with ``reduction='sum'`` is
-      not weighted at all. The loss's value is never touched.
-    * ``on_grad_computed`` is notified once per step with the whole,
-      normalized gradient, then all optimizers step once. The reported
-      ``loss`` is the group's mean loss, never a divided one.
-    * A micro-batch's outputs are freed after its backward, unless a
-      callback reads them (see :meth:`get_train_outputs_needed`).
-
-    With ``acc_steps=1`` and none of the other options, training is plain
-    skorch's. Validation and prediction run at ``batch_size``, untouched,
-    unless ``micro_batch_size`` is set: then they are split as well.
+    ``k`` consecutive micro-batches of its training iterator, as
+    configured, holding one micro-batch at a time. Training is that of
+    plain skorch on the groups (``batch_size=B * k``): the same parameters,
+    history (one row per step) and callback calls. Validation runs at
+    ``batch_size``. The docs' "How it works" page says how, and its
+    compatibility page what cannot match.
 
     Parameters
     ----------
@@ -112,55 +101,30 @@ class GradAccMixin(StepDecisionMixin):
       epoch are allowed and give one step per epoch.
 
     micro_batch_size : int, 'auto' or None (default=None)
-      Split each micro-batch of the training iterator, and each validation
-      and prediction batch, into pieces of at most this many rows for the
-      forward pass. The effective batch is unchanged: everything that sees
-      batches (history, callbacks) sees the same batches. With ``'auto'``,
-      the net starts with whole micro-batches and, on an out-of-memory
-      error, frees what the attempt held, restores the modules' buffers
-      (e.g. BatchNorm's running statistics), halves the pieces and replays
-      the group, so the update equals the one without the error (not
-      restored: the random number generator's state, e.g. dropout draws
-      made before the error, and attributes a module sets on itself). To
-      replay it, the net keeps the current group's micro-batches as the
-      iterator yielded them until its step is done. The size that worked is kept in
-      ``micro_batch_size_``. The sizes a batch backed off to are listed in
-      its history row as ``micro_batch_size_backoff``; every epoch's row
-      holds the ``micro_batch_size`` in use at its end (0 while whole
-      micro-batches fit).
+      Split each training micro-batch, and each validation and prediction
+      batch, into pieces of at most this many rows for the forward pass;
+      the batches that the history and callbacks see are unchanged. With
+      ``'auto'``, an out-of-memory error halves the pieces and replays the
+      group, with the same update (see the docs' memory page).
 
     skip_nonfinite : bool (default=False)
-      If True, a step whose accumulated gradient holds inf or NaN is
-      skipped: parameters and optimizer state stay unchanged, the gradient
-      is zeroed, per-batch learning-rate schedulers do not advance, the
-      batch's history row gets ``step_skipped=True``, and the epoch's row
-      counts ``skipped_steps``. Training goes on. If False, the step is
-      taken, as in plain skorch.
+      Skip a step whose accumulated gradient holds inf or NaN: parameters
+      and optimizer state stay unchanged, per-batch schedulers do not
+      advance, and the history records ``step_skipped`` and
+      ``skipped_steps``.
 
     mixed_precision : None, 'bf16' or 'fp16' (default=None)
       Run each micro-batch's forward pass and loss under
-      :class:`torch.autocast` with this dtype. With ``'fp16'``, a
-      :class:`torch.amp.GradScaler` scales every micro-batch's loss for
-      ``backward``, unscales the gradient once per group before
-      ``on_grad_computed`` (so clipping sees true gradients), and steps and
-      updates once per group; a step it skips does not advance per-batch
-      learning-rate schedulers and is counted as with ``skip_nonfinite``.
-      The reported loss is never the scaled one. Validation and prediction
-      run in full precision.
+      :class:`torch.autocast` with this dtype. ``'fp16'`` adds a
+      :class:`torch.amp.GradScaler` that scales each loss and unscales,
+      steps and updates once per group.
 
     check_loss : bool (default=True)
-      Check once per fit, on the first micro-batch of two rows or more, that
-      the loss is a mean over what :meth:`count_loss_items` counts (or a
-      sum, if it returns None): the loss of the micro-batch must equal the
-      count-weighted mean of the losses of its halves. If not, a
-      :class:`~skorch_gradacc.LossItemsWarning` says by how much. The check
-      costs three forward passes (the micro-batch and its halves), in eval
-      mode and without gradient; the modules' buffers and the random number
-      generators are left as they were. If they cannot decide (a loss that
-      is not finite, a micro-batch without items), it tries the next
-      micro-batch, 3 at most: 9 forward passes at most per fit. It is
-      skipped in multi-process training and for batches that are not
-      ``(X, y)``.
+      Check once per fit, with three extra forward passes of one micro-batch
+      (and its halves) and no side effect, that the loss is a mean over what
+      :meth:`count_loss_items` counts; else warn with a
+      :class:`~skorch_gradacc.LossItemsWarning`. Undecided (a loss that is
+      not finite, no items), it tries the next micro-batch: 3 at most.
 
     Attributes
     ----------
@@ -172,8 +136,8 @@ class GradAccMixin(StepDecisionMixin):
       The GradScaler of ``mixed_precision='fp16'``.
 
     engine_ : skorch_gradacc.engine.Engine
-      What the step of this net's module needs of its engine (one
-      process, DDP, FSDP2), set at the first step; see :meth:`get_engine`.
+      The engine of ``module_`` (one process, DDP, FSDP2); see
+      :meth:`get_engine`.
 
     step_skipped_ : bool
       Whether the last training step was skipped.
@@ -195,6 +159,8 @@ class GradAccMixin(StepDecisionMixin):
     3
 
     """
+
+    accelerator = SkippedStepReport()
 
     # The parameters are the keyword-only parameters of this __init__; the
     # signature that scikit-learn reads is built from it (see
@@ -242,16 +208,10 @@ class GradAccMixin(StepDecisionMixin):
         self._check_grad_acc_params()
 
     def _check_grad_acc_params(self):
-        if not is_positive_int(self.acc_steps):
-            raise ValueError(
-                "acc_steps must be a positive integer, got {!r} instead."
-                .format(self.acc_steps))
-        micro_batch_size = self.micro_batch_size
-        if not (micro_batch_size is None or micro_batch_size == 'auto'
-                or is_positive_int(micro_batch_size)):
-            raise ValueError(
-                "micro_batch_size must be None, 'auto' or a positive integer, "
-                "got {!r} instead.".format(micro_batch_size))
+        check_positive_int('acc_steps', self.acc_steps)
+        if not (self.micro_batch_size is None or self.micro_batch_size == 'auto'):
+            check_positive_int('micro_batch_size', self.micro_batch_size,
+                               "None, 'auto' or ")
         for name in ('skip_nonfinite', 'check_loss'):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError("{} must be True or False, got {!r} instead."
@@ -302,12 +262,8 @@ class GradAccMixin(StepDecisionMixin):
     def initialize_callbacks(self):
         """Initialize the callbacks, and check what they read of a batch.
 
-        The callbacks are skorch's, initialized in place: the objects in
-        ``callbacks`` are the ones in ``callbacks_``. A class attribute
-        ``train_batch_reads`` that is not a collection of ``'X'``, ``'y'``
-        and ``'y_pred'`` raises a ValueError here, before any training (see
-        :meth:`get_train_outputs_needed`).
-
+        A bad ``train_batch_reads`` (see :meth:`get_train_outputs_needed`)
+        raises a ValueError here, before any training.
         """
         super().initialize_callbacks()
         for _, cb in self.callbacks_:
@@ -317,32 +273,13 @@ class GradAccMixin(StepDecisionMixin):
     def notify(self, method_name, **cb_kwargs):
         """Call the callbacks, as skorch does.
 
-        After ``on_epoch_begin``, a :class:`skorch.callbacks.ProgressBar` with
-        ``batches_per_epoch='auto'`` is told the epoch's number of optimizer
-        steps, which is its number of training batches: skorch's bar counts
-        ``batch_size`` rows per training batch, a GradAcc net's training
-        batch is a group of ``acc_steps`` micro-batches.
-
+        After ``on_epoch_begin``, a :class:`skorch.callbacks.ProgressBar`
+        with ``batches_per_epoch='auto'`` is told the epoch's optimizer steps.
         """
         super().notify(method_name, **cb_kwargs)
         if method_name == 'on_epoch_begin':
-            self._count_steps_in_progress_bars(cb_kwargs.get('dataset_train'))
-
-    def _count_steps_in_progress_bars(self, dataset_train):
-        acc_steps = self.get_acc_steps()
-        if dataset_train is None or acc_steps == 1:
-            return
-        for _, cb in self.callbacks_:
-            if not (isinstance(cb, ProgressBar)
-                    and cb.batches_per_epoch == 'auto'):
-                continue
-            pbar = getattr(cb, 'pbar_', None)
-            if pbar is None or pbar.total is None:
-                continue
-            # the bar counted micro-batches of batch_size rows
-            micro = cb._get_batches_per_epoch_phase(self, dataset_train, True)
-            if micro > 0:
-                pbar.total += math.ceil(micro / acc_steps) - micro
+            count_steps_in_progress_bars(
+                self, cb_kwargs.get('dataset_train'), self.get_acc_steps())
 
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
@@ -355,9 +292,8 @@ class GradAccMixin(StepDecisionMixin):
     def get_micro_batch_size(self):
         """Return the most rows that go through the module at once in training.
 
-        That is ``micro_batch_size`` if it is an integer, the size found so far
-        if it is ``'auto'`` and ``None`` (whole micro-batches) otherwise.
-
+        ``micro_batch_size``, the size found so far with ``'auto'``, or None
+        for whole micro-batches.
         """
         if self.micro_batch_size == 'auto':
             return getattr(self, 'micro_batch_size_', None)
@@ -366,10 +302,8 @@ class GradAccMixin(StepDecisionMixin):
     def get_acc_steps(self):
         """Return the ``acc_steps`` in force for the current epoch.
 
-        That is ``acc_steps``, unless an
-        :class:`~skorch_gradacc.AccumulationScheduler` has set another value
-        for this epoch (in ``acc_steps_``).
-
+        ``acc_steps``, unless an :class:`~skorch_gradacc.AccumulationScheduler`
+        set ``acc_steps_`` for this epoch.
         """
         scheduled = getattr(self, 'acc_steps_', None)
         return self.acc_steps if scheduled is None else scheduled
@@ -390,39 +324,16 @@ class GradAccMixin(StepDecisionMixin):
     def get_train_outputs_needed(self):
         """Return what is kept of a training group for the callbacks.
 
-        skorch passes each training batch to the callbacks as ``batch``
-        (``on_batch_begin``, ``on_grad_computed``, ``on_batch_end``) and its
-        outputs as ``y_pred`` (``on_batch_end``). A GradAcc net's batch is a
-        group of micro-batches, each freed after its backward pass unless a
-        callback reads it. Then the callbacks get what the large-batch net
-        passes them: the whole group's rows and outputs.
-
-        * skorch's own callbacks are known: an
-          :class:`~skorch.callbacks.EpochScoring` with ``on_train=True`` that
-          caches (its ``use_caching``, or the net's if not ``'auto'``) reads
-          the targets and the outputs, a
-          :class:`~skorch.callbacks.BatchScoring` with ``on_train=True`` the
-          inputs and targets, and the outputs if it caches. The others read
-          none of them.
-        * A callback of your own that overrides ``on_batch_begin``,
-          ``on_grad_computed`` or ``on_batch_end`` is taken to read all of
-          them, unless its class declares what it reads in the attribute
-          ``train_batch_reads``: a collection of ``'X'`` (inputs), ``'y'``
-          (targets) and ``'y_pred'`` (outputs), or ``()`` for none of them.
-          For example, a callback that logs the running loss from the
-          history declares ``train_batch_reads = ()``. For a callback that
-          declares nothing, the net warns once that it keeps the group.
-
-        The memory this costs, until the group's step is done: the group's
-        micro-batches as the iterator yielded them (``'X'``, or ``'y'`` read
-        in ``on_batch_begin``), the group's targets (``'y'``), or its
-        outputs, detached (``'y_pred'``); never activations. The inputs are
-        also kept for an optimizer that evaluates the group more than once
-        (LBFGS, several optimizers, an optimizer whose ``step`` is not
-        ``torch.optim``'s own, such as a sharpness-aware one) and with
-        ``micro_batch_size='auto'``, which replays a group after an
-        out-of-memory error. With nothing read, ``y_pred`` is None, and the
-        net holds one micro-batch at a time.
+        A group's micro-batches are freed after their backward pass unless
+        a callback reads them in ``on_batch_begin``, ``on_grad_computed`` or
+        ``on_batch_end``; then the group keeps what the large-batch net would
+        pass. skorch's own callbacks are known; a callback of your own
+        declares what it reads in the class attribute ``train_batch_reads``,
+        a collection of ``'X'``, ``'y'`` and ``'y_pred'``, or ``()``. One that
+        declares nothing and overrides a batch method gets everything, with
+        a warning. The inputs are also kept for an optimizer that evaluates
+        the group again and with ``micro_batch_size='auto'``. The docs' memory
+        page gives the details.
 
         Returns
         -------
@@ -446,12 +357,10 @@ class GradAccMixin(StepDecisionMixin):
         {'batch': False, 'y': True, 'y_pred': True}
 
         """
-        reads, at_begin = set(), False
-        warn_undeclared_reads(self, getattr(self, 'callbacks_', []))
-        for _, cb in getattr(self, 'callbacks_', []):
-            cb_reads, cb_at_begin = callback_reads(self, cb)
-            reads |= cb_reads
-            at_begin |= cb_at_begin
+        if getattr(self, 'undeclared_reads_warned_', None) is None:
+            self.undeclared_reads_warned_ = set()  # kept across fits
+        reads, at_begin = train_batch_reads(
+            self, getattr(self, 'callbacks_', []))
         batch = ('X' in reads or at_begin or self.micro_batch_size == 'auto'
                  or self._reevaluates_group())
         return {'batch': batch, 'y': 'y' in reads, 'y_pred': 'y_pred' in reads}
@@ -459,10 +368,9 @@ class GradAccMixin(StepDecisionMixin):
     def _reevaluates_group(self):
         """Whether a step may evaluate the group more than once.
 
-        skorch passes the closure to each optimizer's ``step``, so with
-        several optimizers, or LBFGS, the group is evaluated again. So may
-        an optimizer whose ``step`` is not one of ``torch.optim``'s, e.g. a
-        sharpness-aware one, which evaluates the closure twice.
+        skorch passes the closure to each optimizer's ``step``: several
+        optimizers, LBFGS or a step that is not ``torch.optim``'s (e.g.
+        sharpness-aware) may call it again.
         """
         if len(self._optimizers) > 1:
             return True
@@ -491,14 +399,9 @@ class GradAccMixin(StepDecisionMixin):
         """Return the engine of the module: what differs in a step.
 
         The engine (:mod:`skorch_gradacc.engine`) says which micro-batches
-        this rank takes, the context of each backward, how the gradients
-        are summed over ranks and how the step ends. It is kept in
-        ``engine_``, and made anew for a new ``module_``: a
-        :class:`~skorch_gradacc.engine.DDPEngine` for a module wrapped in
-        DistributedDataParallel (by
-        :class:`~skorch_gradacc.DistributedGradAccMixin` or by skorch's
-        ``AccelerateMixin``), else the single process's. An engine's mixin
-        overrides :meth:`make_engine`.
+        this rank takes, the context of each backward, the sum over ranks
+        and the end of the step. It is kept in ``engine_`` and made anew by
+        :meth:`make_engine` for a new ``module_``.
         """
         engine = getattr(self, 'engine_', None)
         if engine is None or engine.module is not getattr(self, 'module_', None):
@@ -516,11 +419,9 @@ class GradAccMixin(StepDecisionMixin):
 
         The training iterator is wrapped in the engine's groups
         (:class:`~skorch_gradacc.grouping.MicroBatchGroups` in one process),
-        so that skorch's loop, history and callbacks see one batch per
-        optimizer step. A training iterator's
-        :class:`~torch.utils.data.DistributedSampler` gets ``set_epoch``
-        with the epoch's index from 0 (after a resume, the next one).
-
+        one batch per optimizer step. A
+        :class:`~torch.utils.data.DistributedSampler` gets ``set_epoch`` with
+        the epoch's index from 0 (after a resume, the next one).
         """
         sampler = getattr(iterator, 'sampler', None)
         if training and isinstance(sampler, DistributedSampler):
@@ -541,25 +442,16 @@ class GradAccMixin(StepDecisionMixin):
     def train_step(self, batch, **fit_params):
         """Take one optimizer step on a group of micro-batches.
 
-        This is skorch's ``train_step``, except that the gradient is computed
-        by :meth:`accumulate_gradients`, one micro-batch at a time. The
-        optimizers are zeroed once and step once per group, and
-        ``on_grad_computed`` is notified once, with the normalized gradient
-        of the group. Closure optimizers such as LBFGS re-evaluate the whole
-        group whenever they call the closure.
-
-        If an exception or ``KeyboardInterrupt`` stops the group midway, the
-        optimizers have not stepped, so parameters and optimizer state are
-        those of the last completed step, and the partial gradient is
-        discarded before the exception propagates.
+        skorch's ``train_step``, with the gradient of
+        :meth:`accumulate_gradients`. An exception midway discards the
+        partial gradient; the optimizers have not stepped.
 
         Returns
         -------
         step : dict
-          ``{'loss': loss, 'y_pred': y_pred}`` for the whole group.
-          ``y_pred`` is detached, and None unless a callback reads it (see
-          :meth:`get_train_outputs_needed`). ``loss`` holds no graph but
-          requires grad, as the loss skorch's ``train_step`` returns.
+          ``{'loss': loss, 'y_pred': y_pred}`` for the whole group;
+          ``y_pred`` is None unless a callback reads it
+          (:meth:`get_train_outputs_needed`).
 
         """
         if not isinstance(batch, MicroBatchGroup):  # plain skorch's training
@@ -589,21 +481,109 @@ class GradAccMixin(StepDecisionMixin):
             raise
         return _as_skorch_step(step_accumulator.get_step())
 
+    # Mixed precision, and whether a step is taken or skipped
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        """Nothing is skipped before a batch's step."""
+        super().on_batch_begin(net, batch=batch, training=training, **kwargs)
+        self._batch_step_skipped_ = False
+
+    def on_batch_end(self, net, batch=None, training=False, **kwargs):
+        """Report a skipped training step to the callbacks that follow."""
+        super().on_batch_end(net, batch=batch, training=training, **kwargs)
+        # the net's own hook runs before the callbacks' in skorch's notify
+        self._batch_step_skipped_ = bool(
+            training and getattr(self, 'step_skipped_', False))
+
+    def _decides_step(self):
+        """Whether the net, not the optimizer alone, decides about each step."""
+        return self.skip_nonfinite or self.mixed_precision == 'fp16'
+
+    def _device_type(self):
+        return torch.device(self.device).type if self.device else 'cpu'
+
+    def autocast(self):
+        """Return the context of one micro-batch's forward pass and loss.
+
+        :class:`torch.autocast` with the dtype of ``mixed_precision``, or a
+        null context. Override it for another precision scheme (FSDP2's
+        mixin returns a null context: its policy casts the module).
+        """
+        if self.mixed_precision is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type(),
+                              dtype=AUTOCAST_DTYPES[self.mixed_precision])
+
+    def _get_grad_scaler(self):
+        """Return the GradScaler of ``mixed_precision='fp16'``, else None."""
+        if self.mixed_precision != 'fp16':
+            return None
+        if getattr(self, 'grad_scaler_', None) is None:
+            self.grad_scaler_ = self.make_grad_scaler()
+        return self.grad_scaler_
+
+    def make_grad_scaler(self):
+        """Return a new GradScaler for ``mixed_precision='fp16'``."""
+        return torch.amp.GradScaler(self._device_type())
+
+    def _unscale_gradients(self):
+        """Undo the GradScaler's scale, once per group, before callbacks."""
+        scaler = self._get_grad_scaler()
+        if scaler is None:
+            return
+        for name in self._optimizers:
+            scaler.unscale_(getattr(self, name + '_'))
+
+    def _gradients_are_finite(self):
+        grads = learnable_gradients(self)
+        finite = not grads or bool(
+            torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
+        # every rank decides alike, also with gradient shards (FSDP2)
+        return self.get_engine().all_ranks(finite)
+
+    def _step_optimizer(self, step_fn):
+        """Step all optimizers, unless the step is to be skipped.
+
+        A skipped step (``skip_nonfinite``, or fp16's GradScaler) leaves
+        parameters and optimizer state unchanged, zeroes the gradient, sets
+        ``step_skipped_`` and records ``step_skipped=True``.
+        """
+        if not self._decides_step():
+            self.step_skipped_ = False
+            return super()._step_optimizer(step_fn)
+        # closure optimizers (LBFGS) are refused with these options, so the
+        # closure is called once, here
+        step_fn()
+        scaler = self._get_grad_scaler()
+        if self.skip_nonfinite and not self._gradients_are_finite():
+            if scaler is not None:
+                scaler.update()  # unscale_ saw the inf: lower the scale
+            skipped = True
+        elif scaler is None:
+            super()._step_optimizer(None)
+            skipped = False
+        else:
+            scale = scaler.get_scale()
+            for name in self._optimizers:
+                scaler.step(getattr(self, name + '_'))
+            scaler.update()
+            # on inf/NaN the scaler skips the step and lowers the scale
+            skipped = scaler.get_scale() < scale
+        if skipped:
+            self._zero_grad_optimizer()
+        self.step_skipped_ = skipped
+        self.history.record_batch('step_skipped', skipped)
+        return None
+
     # Accumulation and normalization
 
     def count_loss_items(self, batch):
         """Return the number of items that a micro-batch's loss averages over.
 
-        The gradients of the micro-batches are weighted by these counts and
-        divided by their sum, which makes the update that of the mean over
-        the whole group. By default, what torch's criterion divides by
-        (:func:`skorch_gradacc.loss_items.count_items`): for
-        :class:`torch.nn.CrossEntropyLoss` and :class:`torch.nn.NLLLoss`,
-        the targets ``y`` that are not ``ignore_index``, weighted by the
-        class ``weight`` if set; for element-wise losses such as
-        :class:`torch.nn.MSELoss`, the elements of ``y``; the samples for
-        other criteria. Override it when the loss averages over something
-        else, e.g. tokens whose labels live in ``X``.
+        The gradients are weighted by these counts, which makes the update
+        that of the mean over the group. By default, what the criterion
+        divides by (:func:`~skorch_gradacc.counting.count_items`). Override
+        it when the loss averages over something else.
 
         Parameters
         ----------
@@ -613,17 +593,8 @@ class GradAccMixin(StepDecisionMixin):
         Returns
         -------
         count : int, float, one-element tensor, or None
-          ``None`` means that the loss is a sum, not a mean (the default
-          when the criterion has ``reduction='sum'``), and is accumulated
-          without any rescaling. A micro-batch with a count of 0 adds
-          nothing to the group's gradient; a group whose counts are all 0
-          is stepped with the gradient its loss gives (zero for
-          :class:`torch.nn.CrossEntropyLoss` with every target ignored), as
-          the large-batch net does. A tensor, e.g. ``(y != -100).sum()`` on
-          the GPU, is never read on the host, so that counting does not
-          wait for the device; then every micro-batch's backward runs, and
-          one with a count of 0 must have a zero gradient, as
-          :class:`torch.nn.CrossEntropyLoss` with every target ignored has.
+          None for a loss that is a sum. A micro-batch with a count of 0
+          adds nothing. A tensor is never read on the host.
 
         Examples
         --------
@@ -642,24 +613,13 @@ class GradAccMixin(StepDecisionMixin):
     def accumulate_gradients(self, group, **fit_params):
         """Compute the gradient of a whole group, one micro-batch at a time.
 
-        The one loop of every engine (:meth:`get_engine`). Runs
-        ``train_step_single`` (forward and backward) on each micro-batch of
-        ``group``, or on pieces of ``micro_batch_size`` rows, in the passes
-        and backward contexts of the engine. The backward of piece ``j``
-        computes the gradient of its loss times ``c_j / u``: ``c_j`` is its
-        item count (:meth:`count_loss_items`), ``u`` the unit (the first
-        positive count; see :class:`~skorch_gradacc.item_counts.ItemCounts`),
-        applied as the loss leaves ``get_loss``; its value is untouched. The
-        engine's :meth:`~skorch_gradacc.engine.Engine.end_step` divides once
-        by the step's total count. The result is the gradient of the mean
-        loss over all items of the group (on all ranks), while one
-        micro-batch is held at a time. Overridden ``train_step_single`` and
-        ``get_loss`` methods are used as they are, as long as the loss
-        comes from ``get_loss``.
-
-        With ``micro_batch_size='auto'``, an out-of-memory error (on any
-        rank) zeroes the gradient, restores the modules' buffers, halves the
-        pieces and starts the group again.
+        The one loop of every engine. Runs ``train_step_single`` on each
+        micro-batch of ``group`` (or its pieces of ``micro_batch_size``
+        rows); the loss of piece ``j`` leaves ``get_loss`` with its value
+        and the gradient of the loss times ``c_j / u`` (``c_j``: its
+        :meth:`count_loss_items`; ``u``: the unit of
+        :class:`~skorch_gradacc.counting.ItemCounts`). The engine's
+        ``end_step`` divides by the total count once.
 
         Parameters
         ----------
@@ -700,8 +660,9 @@ class GradAccMixin(StepDecisionMixin):
         engine = self.get_engine()
         keep_y_pred = getattr(self, '_keep_train_y_pred_', False)
         y_preds = []
-        counts = ItemCounts(unit=engine.unit, name='count_loss_items(batch)',
-                            share=engine.share_unit)
+        counts = ItemCounts(count_unit=engine.count_unit,
+                            name='count_loss_items(batch)',
+                            share=engine.share_count_unit)
         for piece, is_last in engine.passes(self._pieces(group)):
             if not counts.add(self.count_loss_items(piece),
                               skippable=engine.may_skip(is_last)):
@@ -712,8 +673,8 @@ class GradAccMixin(StepDecisionMixin):
                 del piece
                 continue
             if is_last:
-                engine.set_unit(None if counts.summed else (
-                    0.0 if counts.unit is None else counts.unit))
+                engine.set_count_unit(None if counts.summed else (
+                    0.0 if counts.count_unit is None else counts.count_unit))
             try:
                 step = self._train_piece(piece, counts, is_last, **fit_params)
             except _OUT_OF_MEMORY_ERRORS:
@@ -734,9 +695,9 @@ class GradAccMixin(StepDecisionMixin):
                 'y_pred': concat_outputs(y_preds) if y_preds else None}
 
     def _pieces(self, group):
-        """Yield ``(piece, is_last)`` for the micro-batches of ``group``.
+        """Yield ``(piece, is_last)`` for the pieces of ``group``.
 
-        A piece is a micro-batch, or a part of ``micro_batch_size`` rows.
+        A piece is a micro-batch, or a slice of ``micro_batch_size`` rows.
         """
         size = self.get_micro_batch_size()
         for index, micro in enumerate(group.micro_batches()):
@@ -752,18 +713,12 @@ class GradAccMixin(StepDecisionMixin):
     def _train_piece(self, piece, counts, is_last, **fit_params):
         """Run ``train_step_single`` on one piece, weighted by its count.
 
-        Runs in the engine's context and, with ``mixed_precision``, under
-        autocast. The training loss that ``train_step_single`` gets from
-        ``get_loss`` (overrides included) has the value of the loss, while
-        ``backward`` computes the gradient of the loss times the piece's
-        weight ``c / u`` (see :meth:`accumulate_gradients`), and with
-        ``mixed_precision='fp16'`` times the GradScaler's scale. A piece
-        without items (weight 0) gets a zero gradient through its outputs,
-        never through its loss, which may be NaN.
-
-        Values that ``train_step_single``, ``get_loss`` or ``infer`` record
-        in the batch's history row are noted with the piece's item count,
-        and combined by :meth:`_merge_piece_records` once the group is done.
+        In the engine's context and under :meth:`autocast`. ``get_loss`` is
+        replaced on the instance for the call, so that overrides of
+        ``train_step_single`` keep working (skorch has no loss hook). A
+        piece without items (weight 0) gets a zero gradient through its
+        outputs. Values recorded in the history row are noted for
+        :meth:`_merge_piece_records`.
         """
         if getattr(self, 'loss_check_pending_', 0):
             checked = check_loss_is_mean(self, piece, **fit_params)
@@ -793,7 +748,7 @@ class GradAccMixin(StepDecisionMixin):
         own = vars(self).get('get_loss')  # e.g. a test's mock
         self.get_loss = weighted_loss  # what train_step_single calls
         try:
-            with self.get_engine().context(is_last), self._autocast():
+            with self.get_engine().context(is_last), self.autocast():
                 step = self.train_step_single(piece, **fit_params)
         finally:
             del self.get_loss
@@ -825,10 +780,9 @@ class GradAccMixin(StepDecisionMixin):
     def _merge_piece_records(self):
         """Give the batch row the values the large batch would have recorded.
 
-        A float that several pieces recorded under the same key (say, one
-        term of a loss, recorded in ``get_loss``) is combined as the loss
-        is: the mean weighted by :meth:`count_loss_items`, or the sum when
-        the loss is a sum. Other values keep the last piece's.
+        A float recorded by several pieces (a loss term, say) is combined as
+        the loss is, by :func:`~skorch_gradacc.counting.weighted_mean`; other
+        values keep the last piece's.
         """
         records, self._piece_records_ = self._piece_records_, []
         row = self._current_batch_row()
@@ -839,20 +793,15 @@ class GradAccMixin(StepDecisionMixin):
                      if key in values]
             if len(pairs) < 2 or not all(_is_float(value) for _, value in pairs):
                 continue
-            # counts are all None (summed losses) or all numbers; an
-            # item-less piece's value (a mean of nothing) is left out
-            counted = [(count, value) for count, value in pairs if count]
-            if pairs[0][0] is None:
-                row[key] = sum(value for _, value in pairs)
-            elif counted:
-                row[key] = (sum(count * value for count, value in counted)
-                            / sum(count for count, _ in counted))
+            merged = weighted_mean(pairs)
+            if merged is not None:  # else every piece was item-less
+                row[key] = merged
 
     def _infer_without_grad(self, batch, **fit_params):
         self._set_training(True)
         # X is the first member, also of batches with more than (X, y)
         Xi = batch[0] if isinstance(batch, (tuple, list)) else batch
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.autocast():
             return self.infer(Xi, **fit_params)
 
     # micro_batch_size='auto'
@@ -898,6 +847,7 @@ class GradAccMixin(StepDecisionMixin):
     def on_epoch_end(self, net, **kwargs):
         """Record the epoch's micro-batch size and skipped steps, if used."""
         super().on_epoch_end(net, **kwargs)
+        self._batch_step_skipped_ = False  # epoch-level schedulers step
         if self.micro_batch_size == 'auto':
             # in every epoch's row, so that PrintLog's columns stay aligned;
             # 0 while whole micro-batches fit
@@ -909,12 +859,11 @@ class GradAccMixin(StepDecisionMixin):
 
     # Validation and prediction with micro_batch_size
 
-    def _eval_pieces(self, batch):
-        """Split ``batch`` for validation or prediction, or return None.
+    def eval_pieces(self, batch):
+        """Return the pieces of a validation or prediction batch, or None.
 
-        Only with ``micro_batch_size`` set do validation and prediction
-        batches go through the module in pieces.
-
+        Pieces of ``micro_batch_size`` rows; None (the batch as it is)
+        without ``micro_batch_size`` or for a batch that fits.
         """
         size = self.get_micro_batch_size()
         if size is None or batch_len(batch) <= size:
@@ -929,7 +878,7 @@ class GradAccMixin(StepDecisionMixin):
         outputs for all rows.
 
         """
-        pieces = self._eval_pieces(batch)
+        pieces = self.eval_pieces(batch)
         if pieces is None:
             return super().validation_step(batch, **fit_params)
         steps = []
@@ -944,7 +893,7 @@ class GradAccMixin(StepDecisionMixin):
 
     def evaluation_step(self, batch, training=False):
         """Run skorch's evaluation step, in pieces if ``micro_batch_size`` is set."""
-        pieces = self._eval_pieces(batch)
+        pieces = self.eval_pieces(batch)
         if pieces is None:
             return super().evaluation_step(batch, training=training)
         return concat_outputs([

@@ -1,8 +1,7 @@
 """skorch's net classes with gradient accumulation.
 
-Each class is :class:`skorch_gradacc.GradAccMixin` in front of the skorch
-class of the same name. Its docstring lists the mixin's parameters, taken
-from the mixin's own docstring; see the mixin for how accumulation works.
+Each is :class:`skorch_gradacc.GradAccMixin` in front of skorch's class of
+the same name; its docstring lists the mixin's parameters.
 """
 
 from skorch import (
@@ -25,8 +24,7 @@ __all__ = [
 class GradAccNeuralNet(GradAccMixin, NeuralNet):
     """:class:`skorch.NeuralNet` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNet`, and those of
-    :class:`skorch_gradacc.GradAccMixin`, listed below.
+    Takes the parameters of :class:`skorch.NeuralNet` and these:
 
     Examples
     --------
@@ -47,8 +45,7 @@ class GradAccNeuralNet(GradAccMixin, NeuralNet):
 class GradAccNeuralNetClassifier(GradAccMixin, NeuralNetClassifier):
     """:class:`skorch.NeuralNetClassifier` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNetClassifier`, and those of
-    :class:`skorch_gradacc.GradAccMixin`, listed below.
+    Takes the parameters of :class:`skorch.NeuralNetClassifier` and these:
 
     Examples
     --------
@@ -67,20 +64,14 @@ class GradAccNeuralNetClassifier(GradAccMixin, NeuralNetClassifier):
 class GradAccNeuralNetBinaryClassifier(GradAccMixin, NeuralNetBinaryClassifier):
     """:class:`skorch.NeuralNetBinaryClassifier` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNetBinaryClassifier`, and those of
-    :class:`skorch_gradacc.GradAccMixin`, listed below.
+    Takes the parameters of :class:`skorch.NeuralNetBinaryClassifier` and
+    these:
 
     Examples
     --------
-    >>> import numpy as np
     >>> from skorch.toy import make_binary_classifier
-    >>> X = np.random.randn(100, 20).astype(np.float32)
-    >>> y = np.random.randint(0, 2, size=100).astype(np.float32)
     >>> net = GradAccNeuralNetBinaryClassifier(
-    ...     make_binary_classifier(output_units=1), batch_size=8, acc_steps=2,
-    ...     max_epochs=2, verbose=0)
-    >>> net.fit(X, y).predict(X).shape
-    (100,)
+    ...     make_binary_classifier(output_units=1), batch_size=8, acc_steps=2)
 
     """
 
@@ -88,19 +79,13 @@ class GradAccNeuralNetBinaryClassifier(GradAccMixin, NeuralNetBinaryClassifier):
 class GradAccNeuralNetRegressor(GradAccMixin, NeuralNetRegressor):
     """:class:`skorch.NeuralNetRegressor` with gradient accumulation.
 
-    Takes the parameters of :class:`skorch.NeuralNetRegressor`, and those of
-    :class:`skorch_gradacc.GradAccMixin`, listed below.
+    Takes the parameters of :class:`skorch.NeuralNetRegressor` and these:
 
     Examples
     --------
-    >>> import numpy as np
     >>> from skorch.toy import make_regressor
-    >>> X = np.random.randn(100, 20).astype(np.float32)
-    >>> y = np.random.randn(100, 1).astype(np.float32)
     >>> net = GradAccNeuralNetRegressor(make_regressor(), batch_size=8,
-    ...                                 acc_steps=4, max_epochs=2, verbose=0)
-    >>> net.fit(X, y).predict(X).shape
-    (100, 1)
+    ...                                 acc_steps=4)
 
     """
 

@@ -1,88 +1,31 @@
 """Shard the user's own training iterator over data-parallel ranks.
 
-Rank ``r`` of ``W`` trains on micro-batches ``r, r + W, r + 2W, ...`` of the
-training iterator, exactly as the user configured it: ``batch_size``, a
-``sampler`` or ``batch_sampler``, a ``collate_fn`` with dynamic padding, an
-``IterableDataset``, pre-batched data. This is how Accelerate's
-``BatchSamplerShard`` and ``IterableDatasetShard`` split work with
-``split_batches=False``, except that no micro-batch is repeated or dropped
-to even out the ranks. A step takes ``acc_steps * W`` consecutive
-micro-batches, ``acc_steps`` per rank, so that ``W`` ranks with
-``acc_steps=k`` train exactly like one process with ``acc_steps=k * W`` on
-the same iterator.
-
-In the last step of an epoch a rank may hold fewer micro-batches than the
-others, or none. It still takes part in the step's collectives: a rank
-without a micro-batch trains on a zero-row micro-batch (see
-:func:`zero_rows`), whose backward gives a zero gradient and runs the
-step's gradient all-reduce like any other. Every rank therefore counts the
-same steps per epoch, and the update is that of the large batch on exactly
-the dataset's rows.
-
-The DataLoader is never rebuilt. When its dataset is map-style and its
-sampler (or batch sampler) has a length, each rank iterates a shallow copy
-of the user's DataLoader whose index sampler yields every ``W``-th item of
-the user's own sampler: every setting is kept (``collate_fn``,
-``num_workers``, ``worker_init_fn``, ``generator``, ``pin_memory``, ...) and
-a rank loads only its own micro-batches. Otherwise (an ``IterableDataset``,
-a sampler without a length, ``persistent_workers=True``) every rank iterates
-the user's iterator itself and keeps its own micro-batches; it then loads
-the others' too, and holds one micro-batch ahead, to know which of its
-micro-batches is a step's last.
-
-All ranks agree on a shuffled order: at the start of each training epoch,
-rank 0's torch random state (the global CPU generator and any
-:class:`torch.Generator` of the DataLoader, its sampler or its batch
-sampler) is broadcast to the other ranks, as Accelerate's
-``synchronize_rng_states`` does. A sampler that draws from another source
-(numpy, ``random``) must be seeded the same on every rank.
+Rank ``r`` of ``W`` trains on micro-batches ``r, r + W, ...`` of the
+training iterator as configured, and a step takes ``acc_steps``
+micro-batches per rank: ``W`` ranks with ``acc_steps=k`` train like one
+process with ``acc_steps=k * W``. No micro-batch is repeated or dropped; a
+rank without one in the last step trains on zero rows. A map-style
+DataLoader is rebuilt with the same settings around a sampler that yields
+the rank's share, so each rank loads only its own micro-batches; any other
+iterator is iterated whole on every rank. Every epoch, the ranks take rank
+0's random state, so that they draw the same shuffled order. The docs'
+"Scaling out" page gives the details.
 """
 
-import copy
+import inspect
 import math
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from skorch.utils import multi_indexing
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from skorch_gradacc.grouping import MicroBatchGroup, length_or_none
+from skorch_gradacc.batching import length_or_none, zero_rows
+from skorch_gradacc.grouping import END, MicroBatchGroup
 
-__all__ = ['ShardedGroup', 'ShardedMicroBatchGroups', 'broadcast_rng_states',
-           'zero_rows']
+__all__ = []
 
-_END = object()  # the step, or the iterator, has no more micro-batches
-_OTHER = object()  # a micro-batch of another rank, not loaded or dropped
-_OWN = object()  # this rank's micro-batch, still to be loaded
-
-
-def zero_rows(batch):
-    """Return a batch of the same structure and trailing shapes, with 0 rows.
-
-    A rank without a micro-batch in a step trains on such a batch: its
-    forward and backward run the step's collectives and give a zero
-    gradient. The result holds no reference to ``batch``'s data.
-
-    Examples
-    --------
-    >>> import torch
-    >>> X, y = zero_rows((torch.ones(4, 3), torch.zeros(4)))
-    >>> X.shape, y.shape
-    (torch.Size([0, 3]), torch.Size([0]))
-
-    """
-    if batch is None:
-        return None
-    if isinstance(batch, torch.Tensor):
-        return batch[:0].clone()
-    if isinstance(batch, dict):
-        return type(batch)((key, zero_rows(value))
-                           for key, value in batch.items())
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(zero_rows(data) for data in batch)
-    empty = multi_indexing(batch, slice(0, 0))
-    return empty.copy() if isinstance(empty, np.ndarray) else empty
+_OTHER_RANKS = object()  # a micro-batch of another rank, not loaded or kept
+_TO_LOAD = object()  # this rank's micro-batch, loaded when it is reached
 
 
 class _EveryNth(Sampler):
@@ -105,24 +48,29 @@ class _EveryNth(Sampler):
 
 
 def _shard_loader(loader, rank, world_size):
-    """Return a copy of ``loader`` that yields this rank's micro-batches.
+    """Return a DataLoader that yields this rank's micro-batches of ``loader``.
 
-    A shallow copy that yields micro-batches ``rank, rank + world_size,
-    ...``, or None where the loader cannot be sharded by its index sampler.
+    The same settings around a sampler of micro-batches ``rank, rank +
+    world_size, ...``; None where the loader cannot be sharded so.
     """
     if (type(loader) is not DataLoader
             or isinstance(loader.dataset, IterableDataset)
             or loader.persistent_workers):
         return None
-    # pylint: disable=protected-access
-    name = 'batch_sampler' if loader._auto_collation else 'sampler'
-    shard = copy.copy(loader)
-    # DataLoader refuses to set its sampler after __init__; this copy is
-    # ours, and its user-visible settings are those of the user's loader
-    object.__setattr__(shard, name,
-                       _EveryNth(getattr(loader, name), rank, world_size))
-    object.__setattr__(shard, '_iterator', None)
-    return shard
+    settings = {name: getattr(loader, name) for name in _LOADER_SETTINGS}
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=_EveryNth(
+            loader.batch_sampler, rank, world_size), **settings)
+    return DataLoader(loader.dataset, batch_size=None, sampler=_EveryNth(
+        loader.sampler, rank, world_size), **settings)
+
+
+# what a DataLoader keeps of its arguments, but its data and sampling
+_LOADER_SETTINGS = [
+    name for name in ('num_workers', 'collate_fn', 'pin_memory', 'timeout',
+                      'worker_init_fn', 'multiprocessing_context', 'generator',
+                      'prefetch_factor', 'pin_memory_device', 'in_order')
+    if name in inspect.signature(DataLoader).parameters]
 
 
 def _generators(loader):
@@ -178,21 +126,21 @@ class _StepSource:
     def __init__(self, first, stream, load, size):
         self._stream, self._load, self._left = stream, load, size
         self._first = first  # the step's first item, already pulled
-        self._next = _END
+        self._next = END
         self._advance()
 
     def _advance(self):
-        self._next = _END
+        self._next = END
         while self._left:
-            if self._first is not _END:
-                item, self._first = self._first, _END
+            if self._first is not END:
+                item, self._first = self._first, END
             else:
-                item = next(self._stream, _END)
-            if item is _END:
+                item = next(self._stream, END)
+            if item is END:
                 self._left = 0
                 break
             self._left -= 1
-            if item is not _OTHER:
+            if item is not _OTHER_RANKS:
                 self._next = item
                 break
 
@@ -201,17 +149,17 @@ class _StepSource:
 
     def __next__(self):
         item = self._next
-        if item is _END:
+        if item is END:
             raise StopIteration
-        self._next = _END
-        micro = self._load() if item is _OWN else item
+        self._next = END
+        micro = self._load() if item is _TO_LOAD else item
         del item
         self._advance()
         return micro
 
     def at_end(self):
         """Whether this rank has no more micro-batches in the step."""
-        return self._next is _END
+        return self._next is END
 
     def drain(self):
         """Skip the rest of the step's items."""
@@ -330,8 +278,8 @@ class ShardedMicroBatchGroups:
             own = iter(shard)
 
             def load():
-                micro = next(own, _END)
-                if micro is _END:
+                micro = next(own, END)
+                if micro is END:
                     raise RuntimeError(
                         "The training iterator yielded fewer micro-batches "
                         "than its length, {}; its sampler's __len__ must "
@@ -340,7 +288,7 @@ class ShardedMicroBatchGroups:
                     template.append(zero_rows(micro))
                 return micro
 
-            stream = (_OWN if index % self.world_size == self.rank else _OTHER
+            stream = (_TO_LOAD if index % self.world_size == self.rank else _OTHER_RANKS
                       for index in range(count))
             return stream, load, template
 
@@ -349,7 +297,7 @@ class ShardedMicroBatchGroups:
                 if not template:
                     template.append(zero_rows(micro))
                 own = index % self.world_size == self.rank
-                yield micro if own else _OTHER
+                yield micro if own else _OTHER_RANKS
                 del micro
 
         return full(), None, template
@@ -359,12 +307,12 @@ class ShardedMicroBatchGroups:
             broadcast_rng_states(self.micro_batches, self.device, self.group)
         stream, load, template = self._streams()
         per_step = self.acc_steps * self.world_size
-        pending = next(stream, _END)  # whether another step starts
-        while pending is not _END:
+        pending = next(stream, END)  # whether another step starts
+        while pending is not END:
             source = _StepSource(pending, stream, load, per_step)
             del pending
-            first = next(source, _END)
-            if first is _END:  # nothing of this rank's in this step
+            first = next(source, END)
+            if first is END:  # nothing of this rank's in this step
                 first = template[0]
             group = ShardedGroup(first, source, self.acc_steps, keep=self.keep,
                                  keep_targets=self.keep_targets)
@@ -372,5 +320,5 @@ class ShardedMicroBatchGroups:
             yield group
             group.skip_rest()
             source.drain()
-            pending = next(stream, _END)
+            pending = next(stream, END)
 

@@ -17,7 +17,7 @@ import torch
 from skorch import NeuralNetClassifier
 
 from skorch_gradacc import AccumGrad
-from skorch_gradacc.item_counts import ItemCounts
+from skorch_gradacc.counting import ItemCounts
 
 DTYPE = torch.float64
 PARAM_ATOL = 1e-10

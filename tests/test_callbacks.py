@@ -254,15 +254,14 @@ class TestBatchReads:
         messages = [str(w.message) for w in record
                     if 'train_batch_reads' in str(w.message)]
         assert messages == [
-            "GradAccNeuralNetClassifier keeps each training group's "
-            "micro-batches and outputs until its optimizer step for callback "
-            "'shapes' (Undeclared): it overrides on_batch_end and does not "
-            "declare what it reads of a batch, so it gets the whole group, as "
-            "the large-batch net would pass it, and memory grows with "
-            "acc_steps. Declare in its class what it reads: "
-            "train_batch_reads = () if it reads nothing of the batch (only "
-            "the history or the net), or e.g. train_batch_reads = "
-            "('y_pred',) for the outputs."]
+            "GradAccNeuralNetClassifier keeps whole training groups for "
+            "callback 'shapes' (Undeclared): it overrides on_batch_end "
+            "without declaring what it reads, so memory grows with acc_steps. "
+            "Declare it in its class: train_batch_reads = () for nothing, or "
+            "e.g. ('y_pred',)."]
+        # it points at the user's call to fit, in conftest's fit_seeded
+        [warned] = [w for w in record if 'train_batch_reads' in str(w.message)]
+        assert warned.filename.endswith('conftest.py')
 
     @pytest.mark.parametrize('acc_steps', [1, 4])
     def test_no_warning_without_undeclared_callbacks(self, clf_data,
@@ -342,7 +341,7 @@ def test_criterion_under_another_name_is_counted(clf_data):
 def test_memory_page_gives_the_warnings_words():
     from pathlib import Path
 
-    from skorch_gradacc.batch_reads import UNDECLARED_READS_MESSAGE
+    from skorch_gradacc.callbacks import UNDECLARED_READS_MESSAGE
 
     page = Path(__file__).parent.parent / 'docs' / 'memory_and_robustness.rst'
     text = ' '.join(page.read_text().split())

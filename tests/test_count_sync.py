@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from skorch_gradacc import AccumGrad, GradAccNeuralNet
-from skorch_gradacc.item_counts import ItemCounts
+from skorch_gradacc.counting import ItemCounts
 
 DTYPE = torch.float64
 PARAM_ATOL = 1e-10

@@ -312,5 +312,7 @@ def test_restarts_without_a_fresh_store_warn_at_initialize(
             net.initialize()
         messages = [str(warning.message) for warning in caught]
         assert messages == ([RESTART_WARNING] if warns else [])
+        # it points at the user's call to initialize
+        assert all(warning.filename == __file__ for warning in caught)
     finally:
         dist.destroy_process_group()

@@ -22,7 +22,7 @@ from skorch_gradacc import (
     GradAccNeuralNetRegressor,
     LossItemsWarning,
 )
-from skorch_gradacc.loss_items import count_items
+from skorch_gradacc.counting import count_items
 
 from conftest import DTYPE, PARAM_ATOL, classification_data, fit_seeded, regression_data
 
@@ -245,6 +245,7 @@ def test_the_autoencoder_tutorials_loss_warns_once_per_fit():
         net.fit(X, y)
     assert len([w for w in record if w.category is LossItemsWarning]) == 1
     assert 'check_loss=False' in str(record[0].message)
+    assert record[0].filename == __file__  # the user's call to fit
     with warnings.catch_warnings():  # the same fit goes on: no check
         warnings.simplefilter('error', LossItemsWarning)
         net.partial_fit(X, y)

@@ -4,6 +4,7 @@ import pickle
 
 import numpy as np
 import pytest
+import skorch
 import torch
 from sklearn.base import clone
 from sklearn.model_selection import GridSearchCV, cross_val_score
@@ -179,3 +180,30 @@ def test_every_parameter_is_in_the_signature_and_documented(net_cls):
         assert signature[name].default == inspect.signature(
             skorch_gradacc.GradAccMixin.__init__).parameters[name].default
         assert '\n    {} : '.format(name) in net_cls.__doc__, name
+
+
+class UndeclaredReader(skorch.callbacks.Callback):
+    def on_batch_end(self, net, **kwargs):
+        pass
+
+
+def test_a_fit_in_groups_leaves_no_state_in_get_params(clf_data):
+    # runtime state ends in '_', or clone() would pass it to __init__
+    net = make_net(acc_steps=2, micro_batch_size=3, skip_nonfinite=True,
+                   callbacks=[('reader', UndeclaredReader())])
+    before = set(net.get_params(deep=False))
+    with pytest.warns(UserWarning, match='train_batch_reads'):
+        net.fit(*clf_data)
+    assert set(net.get_params(deep=False)) == before
+    assert clone(net).get_params(deep=False).keys() == before
+
+
+@pytest.mark.parametrize('check', [
+    'check_parameters_default_constructible',
+    'check_do_not_raise_errors_in_init_or_set_params'])
+def test_the_generated_signature_is_what_sklearn_checks_read(check):
+    # without GradAccMixin.__init_subclass__, the signature is the mixin's
+    # (*args, acc_steps=1, ..., **kwargs), and these checks fail
+    from sklearn.utils import estimator_checks
+
+    getattr(estimator_checks, check)('net', make_net(acc_steps=2))

@@ -77,8 +77,10 @@ def test_next_fit_starts_from_the_parameter(clf_data):
 
 
 @pytest.mark.parametrize('schedule, message', [
-    ({1: 0}, "the schedule gives acc_steps=0 for epoch 1"),
-    ({1: 2, 3: 2.0}, "the schedule gives acc_steps=2.0 for epoch 3"),
+    ({1: 0}, "^AccumulationScheduler: the acc_steps of epoch 1 must be a "
+             r"positive integer, got 0 instead\.$"),
+    ({1: 2, 3: 2.0}, "^AccumulationScheduler: the acc_steps of epoch 3 must be "
+                     r"a positive integer, got 2\.0 instead\.$"),
     ([2, 4], "schedule must be a dict or a callable"),
 ])
 def test_bad_schedules_fail_before_training(clf_data, schedule, message):

@@ -77,3 +77,40 @@ def test_len_is_the_number_of_steps_every_rank_takes(
         # every micro-batch is in a step: the last, partial one included
         assert (len(groups) - 1) * acc_steps * world_size < n_micro
         assert n_micro <= len(groups) * acc_steps * world_size
+
+
+def _collate(rows):
+    return torch.stack(rows) * 10
+
+
+def _init_worker(worker_id):
+    pass
+
+
+@pytest.mark.parametrize('batched', [True, False])
+def test_a_rank_loads_its_share_with_the_users_loader_settings(batched):
+    # the rank's loader is built anew, with every setting of the user's
+    # loader kept, and the user's loader is left as it is
+    from skorch_gradacc.sharding import _LOADER_SETTINGS, _shard_loader
+
+    data = torch.arange(20.)
+    gen = torch.Generator().manual_seed(0)
+    settings = dict(collate_fn=_collate, worker_init_fn=_init_worker,
+                    generator=gen, timeout=0)
+    if batched:
+        user = DataLoader(data, batch_size=3, shuffle=True, drop_last=True,
+                          **settings)
+    else:
+        user = DataLoader(data, batch_size=None, shuffle=True,
+                          collate_fn=lambda row: row * 10,
+                          worker_init_fn=_init_worker, generator=gen)
+    sampler = user.batch_sampler if batched else user.sampler
+    shard = _shard_loader(user, 1, 3)
+    assert shard is not user and shard.dataset is user.dataset
+    for name in _LOADER_SETTINGS:
+        assert getattr(shard, name) == getattr(user, name), name
+    assert (user.batch_sampler if batched else user.sampler) is sampler
+    gen.manual_seed(1)
+    whole = [micro.tolist() for micro in user]
+    gen.manual_seed(1)
+    assert [micro.tolist() for micro in shard] == whole[1::3]

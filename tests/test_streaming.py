@@ -373,12 +373,10 @@ class TestOneMicroBatchAlive:
         with pytest.raises(RuntimeError) as exc:
             fit_watched(callbacks=[('reads', ReadsBatch())])
         assert str(exc.value) == (
-            "GradAccMixin streams the micro-batches of a group and releases "
-            "them after their backward pass, so this training batch cannot be "
-            "read here. A callback that reads it declares so in its class "
-            "attribute train_batch_reads, e.g. train_batch_reads = ('X', 'y', "
-            "'y_pred'), or leaves it out; the net then keeps the group's "
-            "micro-batches until its step is done.")
+            "This training batch was released after its backward pass. A "
+            "callback that reads it declares so in its class, e.g. "
+            "train_batch_reads = ('X', 'y', 'y_pred'), and the net keeps the "
+            "group until its step.")
 
 
 def test_all_padding_group_with_adam_equals_large_batch():

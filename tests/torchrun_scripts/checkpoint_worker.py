@@ -42,10 +42,10 @@ from skorch.history import History
 from worker_common import finish, save_rank  # puts tests/ on sys.path
 
 # isort: split
-from skorch_gradacc import GradAccNeuralNetRegressor
-from skorch_gradacc.distributed import (
+from skorch_gradacc import (
     DistributedGradAccMixin,
     FullyShardedGradAccMixin,
+    GradAccNeuralNetRegressor,
 )
 
 from conftest import MLPRegressor, regression_data

@@ -16,10 +16,10 @@ import torch
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
-from skorch_gradacc import GradAccNeuralNetClassifier
-from skorch_gradacc.distributed import (
+from skorch_gradacc import (
     DistributedGradAccMixin,
     FullyShardedGradAccMixin,
+    GradAccNeuralNetClassifier,
 )
 
 from conftest import DTYPE, classification_data

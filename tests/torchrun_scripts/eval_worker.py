@@ -20,10 +20,10 @@ from skorch.helper import predefined_split
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
-from skorch_gradacc import GradAccNeuralNetClassifier
-from skorch_gradacc.distributed import (
+from skorch_gradacc import (
     DistributedGradAccMixin,
     FullyShardedGradAccMixin,
+    GradAccNeuralNetClassifier,
 )
 
 from conftest import MLPClassifier, classification_data

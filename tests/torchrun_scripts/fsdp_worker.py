@@ -53,7 +53,7 @@ from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 from test_normalization import IGNORE, TokenTagger, token_data
 
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
-from skorch_gradacc.distributed import FullyShardedGradAccMixin
+from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
 
 from conftest import DTYPE, classification_data
 

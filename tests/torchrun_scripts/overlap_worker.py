@@ -107,7 +107,7 @@ def main(out_dir):
                                               y.astype('float32'))
     torch.save({
         'fp16_params': fp16.module_.module.state_dict(),
-        'fp16_unit': fp16.engine_.unit,
+        'fp16_unit': fp16.engine_.count_unit,
         'fp16_skipped': fp16.history[:, 'skipped_steps'],
         'calls': calls,
         'main_thread': threading.get_ident(),

@@ -1,0 +1,446 @@
+"""What a micro-batch's loss averages over, and the weighting by it.
+
+:func:`count_items` counts what torch's criteria divide by,
+:class:`ItemCounts` weights a group's micro-batches by their counts (for
+:class:`~skorch_gradacc.GradAccMixin` and :class:`~skorch_gradacc.AccumGrad`
+alike), and :func:`check_loss_is_mean` checks once per fit that the loss is a
+mean over what is counted. Counts are Python numbers, or tensors that are
+never read on the host, so that counting never waits for the device.
+"""
+
+import math
+import numbers
+import random
+import warnings
+
+import numpy as np
+import torch
+from skorch.dataset import unpack_data
+
+from skorch_gradacc.batching import (
+    batch_len,
+    n_ranks,
+    split_batch,
+    user_stacklevel,
+)
+
+__all__ = ['LossItemsWarning', 'count_items']
+
+CLASS_TARGET_LOSSES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+ELEMENTWISE_LOSSES = (
+    torch.nn.MSELoss, torch.nn.L1Loss, torch.nn.BCELoss,
+    torch.nn.BCEWithLogitsLoss, torch.nn.HuberLoss, torch.nn.SmoothL1Loss,
+    torch.nn.SoftMarginLoss, torch.nn.PoissonNLLLoss, torch.nn.KLDivLoss)
+
+
+class LossItemsWarning(UserWarning):
+    """The loss is not a mean over what ``count_loss_items`` counts."""
+
+
+def _rule(criterion):
+    """How ``criterion`` averages: a hashable rule, or 'rows'."""
+    reduction = getattr(criterion, 'reduction', None)
+    if reduction == 'sum':
+        return 'sum'
+    if reduction != 'mean':
+        return 'rows'
+    if isinstance(criterion, CLASS_TARGET_LOSSES):
+        weight = getattr(criterion, 'weight', None)
+        # the weight tensor itself: two criteria with equal weights in
+        # different tensors count rows
+        return ('classes', criterion.ignore_index,
+                None if weight is None else id(weight))
+    if isinstance(criterion, ELEMENTWISE_LOSSES):
+        return 'elements'
+    return 'rows'
+
+
+def count_items(criteria, batch):
+    """Return what the criteria's mean loss of ``batch`` averages over.
+
+    ``CrossEntropyLoss`` and ``NLLLoss``: the targets that are not
+    ``ignore_index``, weighted by the class ``weight`` if set (probability
+    targets: their rows). Element-wise losses (``MSELoss``,
+    ``BCEWithLogitsLoss``, ...): the target's elements. Any other
+    criterion, or criteria that count differently: the rows. None if every
+    criterion sums (``reduction='sum'``).
+
+    Parameters
+    ----------
+    criteria : list
+      The net's criteria (``net.criterion_`` and any others it registered).
+
+    batch
+      A micro-batch ``(X, y)``.
+
+    Returns
+    -------
+    count : int, tensor or None
+      A tensor stays on the targets' (or the class weight's) device.
+
+    Examples
+    --------
+    >>> import torch
+    >>> y = torch.tensor([[1, 2, -100], [0, -100, -100]])
+    >>> X = torch.zeros(2, 3)  # two rows of three token ids
+    >>> count_items([torch.nn.CrossEntropyLoss()], (X, y))
+    tensor(3)
+
+    """
+    rules = [_rule(criterion) for criterion in criteria]
+    if rules and all(rule == 'sum' for rule in rules):
+        return None
+    rows = batch_len(batch)
+    if not rules or any(rule != rules[0] for rule in rules[1:]):
+        return rows
+    rule = rules[0]
+    y = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+    if rule == 'rows' or not isinstance(y, torch.Tensor):
+        return rows
+    if rule == 'elements':
+        return y.numel()
+    _, ignore_index, _ = rule
+    weight = criteria[0].weight
+    if y.is_floating_point():  # probabilities, shaped like the input
+        return y.numel() // y.shape[1] if y.ndim > 1 else 1
+    labeled = y != ignore_index
+    if weight is None:
+        return labeled.sum()
+    labeled = labeled.to(weight.device, non_blocking=True)
+    classes = y.to(weight.device, non_blocking=True).masked_fill(~labeled, 0)
+    dtype = torch.float32 if weight.device.type == 'mps' else torch.float64
+    return (weight.to(dtype)[classes] * labeled).sum()
+
+
+# Weighting a group by its counts
+
+
+class ItemCounts:
+    """The item counts of one group of micro-batches and the unit of ``.grad``.
+
+    ``.grad`` holds ``sum_j (c_j / u) * g_j``: ``g_j`` is the gradient of
+    micro-batch ``j``'s mean loss, ``c_j`` its count and ``u`` the unit.
+    Without ``rescale`` (the net), ``u`` is ``count_unit`` or the first positive
+    count, and :attr:`weight` ``c_j / u`` multiplies the micro-batch's loss
+    for its backward. With ``rescale`` (:class:`~skorch_gradacc.AccumGrad`),
+    ``u`` is the last positive count and :meth:`add` rescales ``.grad`` when
+    it changes. :meth:`mean_scale` ``u / C`` then makes ``.grad`` the
+    gradient of the mean over the group's ``C`` items. Tensor counts on a
+    device (any but :attr:`host_devices`) are never read on the host.
+
+    Parameters
+    ----------
+    rescale : callable or None (default=None)
+      ``rescale(scale)`` multiplies all gradients in place.
+
+    count_unit : float or None (default=None)
+      A fixed unit, the same on every rank (FSDP2); None: the first
+      positive count.
+
+    share : callable or None (default=None)
+      ``share(count)``: the largest ``count`` over ranks, for a unit that
+      is the same on every rank (FSDP2 under fp16). Every rank adds its
+      counts in step until one has items.
+
+    name : str (default='count')
+      What a bad count is called in the error message.
+
+    Attributes
+    ----------
+    summed : bool or None
+      Whether the losses are sums (counts of None).
+
+    total : float or tensor
+      The group's item count so far.
+
+    count, weight : float, tensor or None
+      The count and weight of the micro-batch last added.
+
+    """
+
+    host_devices = frozenset({'cpu'})
+
+    def __init__(self, rescale=None, count_unit=None, name='count', share=None):
+        self.rescale = rescale
+        self.share = share
+        self.name = name
+        self.summed = None
+        self.count_unit = count_unit
+        self.total = 0.0
+        self.weight = None
+        self.count = None
+        self._losses = []
+
+    def check(self, count, summed_ok=True):
+        """Return ``count``, read on the host if it is on the CPU, or raise.
+
+        A count is a number of items (finite, 0 or more), a one-element
+        tensor of numbers, or None (a summed loss) if ``summed_ok``.
+        """
+        if isinstance(count, torch.Tensor):
+            if (count.numel() != 1 or count.dtype == torch.bool
+                    or count.is_complex()):
+                raise ValueError(
+                    "{} must be a number or a one-element tensor of numbers, "
+                    "got a tensor of shape {} and dtype {} instead.".format(
+                        self.name, tuple(count.shape), count.dtype))
+            if count.device.type not in self.host_devices:
+                return count  # never read: no waiting for the device
+            count = count.item()
+        if (count is not None or not summed_ok) and (
+                not isinstance(count, numbers.Real) or isinstance(count, bool)
+                or not math.isfinite(count) or count < 0):
+            raise ValueError(
+                "{} must be a number of items, 0 or more, got {!r} instead."
+                .format(self.name, count))
+        return count
+
+    def add(self, count, skippable=False):
+        """Count the coming micro-batch; call it before its backward.
+
+        ``count`` is what its loss averages over, None for a summed loss.
+        Returns False if the backward can be left out: only if
+        ``skippable`` and the count is the number 0 after items were seen.
+        """
+        count = self.check(count)
+        summed = count is None
+        if self.summed is None:
+            self.summed = summed
+        elif self.summed != summed:
+            raise ValueError(
+                "count_loss_items returned None for some micro-batches but "
+                "not for others; got {!r}.".format(count))
+        if summed:
+            self.weight = None
+            return True
+        if self.share is not None and self.count_unit is None:
+            shared = self.share(count)  # on every rank, until one has items
+            self.count_unit = shared if shared > 0 else None
+        if isinstance(count, torch.Tensor) or isinstance(
+                self.total, torch.Tensor):
+            self._add_tensor(count)
+            return True
+        count = self.count = float(count)
+        if not count:
+            self.weight = 0.0
+            return not (skippable and self.total)  # after items were seen
+        if self.rescale is not None and self.count_unit not in (None, count):
+            self.rescale(self.count_unit / count)
+        if self.count_unit is None or self.rescale is not None:
+            self.count_unit = count
+        self.weight = count / self.count_unit
+        self.total += count
+        return True
+
+    def _add_tensor(self, count):
+        if not isinstance(self.total, torch.Tensor):  # the first tensor
+            device = count.device
+            dtype = torch.float32 if device.type == 'mps' else torch.float64
+            # new_full and full fill on the device: no copy from the host
+            self.total = torch.full((), self.total, dtype=dtype, device=device)
+        if isinstance(count, torch.Tensor):
+            count = count.detach().reshape(()).to(
+                device=self.total.device, dtype=self.total.dtype)
+        else:
+            count = self.total.new_full((), float(count))
+        positive = count > 0
+        if self.count_unit is None:
+            self.count_unit = torch.where(positive, count, 1.0)
+        elif self.rescale is not None:
+            # unit / 0 is inf, never selected
+            self.rescale(torch.where(positive, self.count_unit / count, 1.0))
+            self.count_unit = torch.where(positive, count, self.count_unit)
+        self.weight = count / self.count_unit  # 0 without items: the unit is > 0
+        self.total = self.total + count
+        self.count = count
+
+    def add_loss(self, loss):
+        """Add the loss of the micro-batch last counted, weighted by its count."""
+        count = self.count
+        if self.summed:
+            self._losses.append(loss)
+        elif isinstance(count, torch.Tensor):
+            count = count.to(device=loss.device, dtype=loss.dtype)
+            # an item-less micro-batch's mean loss is NaN (0 / 0)
+            self._losses.append(torch.where(count > 0, count * loss, 0.0))
+        elif count:
+            self._losses.append(count * loss)
+
+    def loss_sum(self):
+        """Return the group's losses summed, each weighted by its count.
+
+        A zero tensor if no micro-batch added a loss (a rank without items).
+        """
+        if not self._losses:
+            return torch.zeros(())
+        return torch.stack(self._losses).sum()
+
+    def loss(self, loss_sum=None, total=None):
+        """Return the group's loss: the mean over its items, or the sum.
+
+        NaN if the group has no item (the mean of nothing). ``loss_sum`` and
+        ``total`` default to this rank's; an engine passes those of all ranks.
+        """
+        summed = self.loss_sum() if loss_sum is None else loss_sum
+        total = self.total if total is None else total
+        if self.summed:
+            return summed
+        if isinstance(total, torch.Tensor):
+            return summed / total.to(device=summed.device, dtype=summed.dtype)
+        return summed / total if total else torch.tensor(float('nan'))
+
+    def mean_scale(self, total=None, count_unit=None):
+        """Return ``u / C``, what makes ``.grad`` the mean's gradient.
+
+        1 for summed losses and for a group without items. ``total`` and
+        ``count_unit`` default to this rank's.
+        """
+        total = self.total if total is None else total
+        count_unit = self.count_unit if count_unit is None else count_unit
+        if self.summed or count_unit is None:
+            return 1.0
+        if isinstance(total, torch.Tensor):
+            return torch.where(total > 0, count_unit / total, 1.0)
+        return count_unit / total if total else 1.0
+
+    def normalize(self):
+        """Multiply ``.grad`` by :meth:`mean_scale`, after the last backward."""
+        self.rescale(self.mean_scale())
+
+
+def scale_gradients(grads, scale):
+    """Multiply ``grads`` in place by ``scale``, a number or a tensor.
+
+    A tensor is moved to each gradient's device, never read on the host.
+    """
+    if not isinstance(scale, torch.Tensor):
+        if grads and scale != 1:
+            torch._foreach_mul_(grads, scale)
+        return
+    by_kind = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), same in by_kind.items():
+        torch._foreach_mul_(same, scale.to(device=device, dtype=dtype))
+
+
+def weighted_mean(pairs):
+    """Return the count-weighted mean of ``(count, value)`` pairs.
+
+    The sum if the counts are None (summed losses); pairs with a count of
+    0 (the mean of nothing) are left out; None if no count is positive.
+    """
+    pairs = list(pairs)
+    if pairs and pairs[0][0] is None:
+        return sum(value for _, value in pairs)
+    counted = [(count, value) for count, value in pairs if count]
+    if not counted:
+        return None
+    return (sum(count * value for count, value in counted)
+            / sum(count for count, _ in counted))
+
+
+# The check that the loss is a mean over what is counted
+
+def check_loss_is_mean(net, batch, **fit_params):
+    """Warn if ``net``'s loss of ``batch`` is not a mean over its counted items.
+
+    Compares the loss of ``batch`` with the count-weighted mean of its two
+    halves' losses, in eval mode, without gradient and without side effects
+    (see :func:`snapshot_buffers`). Returns whether the check was decided:
+    False when its three passes cannot decide (no items, a loss that is not
+    finite); None, without a pass, for fewer than two rows; True,
+    unchecked, with several ranks and for batches that are not ``(X, y)``.
+    """
+    if n_ranks() > 1:
+        return True  # each rank's forward may take part in collectives
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        return True  # trained by the user's own train_step_single
+    rows = batch_len(batch)
+    if rows < 2:
+        return None
+    halves = [batch] + split_batch(batch, (rows + 1) // 2)
+    valid = ItemCounts(name='count_loss_items(batch)').check  # as training
+    # the user sees the warnings of the training passes, not these
+    with _without_side_effects(net), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        losses, counts = [], []
+        for half in halves:
+            Xi, yi = unpack_data(half)
+            y_pred = net.infer(Xi, **fit_params)
+            loss = net.get_loss(y_pred, yi, X=Xi, training=True)
+            losses.append(float(loss))
+            count = valid(net.count_loss_items(half))
+            counts.append(None if count is None else float(count))
+    whole = losses[0]
+    expected = weighted_mean(zip(counts[1:], losses[1:]))
+    if expected is None:
+        return False
+    scale = max(abs(whole), abs(expected))
+    error = abs(whole - expected) / scale if scale else 0.0
+    dtype = loss.dtype if loss.is_floating_point() else torch.float32
+    if not math.isfinite(error):
+        return False
+    if error <= max(1e-10, 1e3 * torch.finfo(dtype).eps):
+        return True
+    warnings.warn(
+        "The loss is not a mean over what count_loss_items counts: {:.6g} on "
+        "{} rows, {:.6g} from its halves (relative difference {:.2g}). Make "
+        "it one, override count_loss_items (None for a sum), or set "
+        "check_loss=False.".format(whole, rows, expected, error),
+        LossItemsWarning, stacklevel=user_stacklevel())
+    return True
+
+
+def net_modules(net):
+    """Yield the net's initialized modules and criteria."""
+    for name in net._modules + net._criteria:
+        module = getattr(net, name + '_', None)
+        if isinstance(module, torch.nn.Module):
+            yield module
+
+
+def snapshot_buffers(net):
+    """Return copies of the buffers of ``net``'s modules, for :func:`restore_buffers`.
+
+    E.g. BatchNorm's running statistics, which a forward pass in training
+    mode changes.
+    """
+    return [(buffer, buffer.detach().clone())
+            for module in net_modules(net) for buffer in module.buffers()]
+
+
+def restore_buffers(snapshot):
+    """Copy the buffers of a :func:`snapshot_buffers` back in place."""
+    with torch.no_grad():
+        for buffer, saved in snapshot:
+            buffer.copy_(saved)
+
+
+class _without_side_effects:
+    """Eval mode inside; modes, buffers and RNG states as before after."""
+
+    def __init__(self, net):
+        self.net = net
+
+    def __enter__(self):
+        self.modes = [(sub, sub.training) for module in net_modules(self.net)
+                      for sub in module.modules()]
+        self.buffers = snapshot_buffers(self.net)
+        self.rng = (torch.get_rng_state(), random.getstate(),
+                    np.random.get_state())
+        self.cuda_rng = (torch.cuda.get_rng_state_all()
+                         if torch.cuda.is_initialized() else None)
+        self.net._set_training(False)
+        return self
+
+    def __exit__(self, *exc_info):
+        for sub, training in self.modes:
+            sub.training = training
+        restore_buffers(self.buffers)
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        np.random.set_state(self.rng[2])
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return False
