@@ -296,7 +296,7 @@ def test_a_first_micro_batch_of_one_row_leaves_the_check_to_the_next():
     net = AutoEncoderNet(AutoEncoder, acc_steps=2, max_epochs=1, verbose=0,
                          train_split=None, iterator_train__batch_size=1,
                          iterator_train__batch_sampler=batches)
-    with pytest.warns(LossItemsWarning, match='micro-batch of 8 rows'):
+    with pytest.warns(LossItemsWarning, match='on 8 rows'):
         net.fit(X, y)
 
 
