@@ -15,8 +15,10 @@ from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.engine import Engine
 from skorch_gradacc.memory import (
     CPU_ALLOCATOR_ERROR,
+    ONEDNN_ERROR,
     PLAN_MARGIN,
     PLAN_REPEATS,
+    is_out_of_memory,
     largest_cost,
     parse_budget,
 )
@@ -58,9 +60,9 @@ class TestBudget:
         with pytest.raises(ValueError) as exc:
             net.fit(*clf_data)
         assert str(exc.value) == (
-            "memory_budget='1GiB' is used by micro_batch_size='auto' only, got "
-            "micro_batch_size={!r}; set micro_batch_size='auto' or leave "
-            "memory_budget=None.".format(micro_batch_size))
+            "memory_budget='1GiB' needs micro_batch_size='auto', got {!r}; set "
+            "micro_batch_size='auto' or memory_budget=None.".format(
+                micro_batch_size))
 
 
 class TestLargestCost:
@@ -96,6 +98,7 @@ class WideNormed(torch.nn.Module):
         self.output = torch.nn.Linear(width, 3, dtype=torch.float64)
 
     def forward(self, X):
+        self.passes_ = getattr(self, 'passes_', []) + [(self.training, len(X))]
         hidden = torch.tanh(self.hidden(X))
         if self.training:
             with torch.no_grad():
@@ -147,6 +150,22 @@ class TestPlan:
         assert 'memory_plan_predicted' not in auto.history[0, 'batches', 1]
         assert auto.history[:, 'micro_batch_size'] == [
             plan['micro_batch_size']] * 2
+
+    def test_the_loss_check_runs_on_planned_pieces(self, clf_data):
+        # its passes (eval mode: the whole piece and its halves) come after
+        # the plan's, on pieces of the plan's size
+        auto = fit_seeded(GradAccNeuralNetClassifier(
+            WideNormed, micro_batch_size='auto', memory_budget='16MB',
+            batch_size=128, max_epochs=1, train_split=None, verbose=0),
+            *clf_data)
+        planned = auto.memory_plan_['micro_batch_size']
+        passes = auto.module_.passes_
+        plan = 2 + 2 * PLAN_REPEATS
+        assert all(training for training, _ in passes[:plan])
+        assert passes[plan - 1] == (True, planned)  # the plan's try
+        assert [rows for _, rows in passes[plan:plan + 3]] == [
+            planned, planned - planned // 2, planned // 2]
+        assert not any(training for training, _ in passes[plan:plan + 3])
 
     def test_exact_with_the_large_batch(self, clf_data):
         acc_net, plain_net = make_nets(
@@ -222,7 +241,7 @@ def test_long_sequences_are_split_into_more_pieces():
     assert plan['unit'] == 'elements'
     # the plan's passes on the first batch (32 tokens long), then the
     # pieces of each batch: each at most the planned tokens
-    shapes = acc_net.module_.shapes_[1 + 2 * PLAN_REPEATS:]
+    shapes = acc_net.module_.shapes_[2 + 2 * PLAN_REPEATS:]
     assert all(rows == 1 or rows * length <= plan['max_cost']
                for rows, length in shapes), plan
     first_epoch = shapes[:len(shapes) // 2]
@@ -238,14 +257,16 @@ def test_long_sequences_are_split_into_more_pieces():
 # The back-off after the CPU allocator's error
 
 class CappedCPU(MLPClassifier):
-    """Raises the CPU allocator's error above ``max_rows`` rows."""
+    """Raises the CPU allocator's error above ``max_rows`` rows, after its
+    first ``fails_from`` passes."""
 
-    def __init__(self, max_rows=10, n_hidden=16):
+    def __init__(self, max_rows=10, n_hidden=16, fails_from=0):
         super().__init__(n_hidden=n_hidden)
-        self.max_rows = max_rows
+        self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
 
     def forward(self, X):
-        if len(X) > self.max_rows:
+        self.calls_ += 1
+        if len(X) > self.max_rows and self.calls_ > self.fails_from:
             raise RuntimeError(
                 "[enforce fail at alloc_cpu.cpp:127] err == 0. {}: you tried "
                 "to allocate 33554432 bytes. Error code 12 (Cannot allocate "
@@ -258,7 +279,8 @@ class TestCPUAllocatorError:
         acc_net, plain_net = make_nets(
             1, batch_size=32, module=CappedCPU, optimizer=torch.optim.Adam,
             lr=0.01, iterator_train__shuffle=True)
-        acc_net.set_params(micro_batch_size='auto')
+        acc_net.set_params(micro_batch_size='auto',
+                           module__fails_from=2 + 2 * PLAN_REPEATS)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert acc_net.micro_batch_size_ == 8
@@ -268,12 +290,13 @@ class TestCPUAllocatorError:
 
     @pytest.mark.timeout(120)  # a back-off that keeps the plan never ends
     def test_a_plan_that_was_wrong_backs_off_by_cost(self, clf_data):
-        # the plan's passes on 32 rows fail, on 8 and 16 rows not; it lets
-        # pieces of more than 16 rows through, which fail, and the pieces
-        # halve until they fit, in the plan's unit
+        # the plan's passes on 16 and 32 rows pass, and its try; then more
+        # than 16 rows fail, and the pieces halve until they fit, in the
+        # plan's unit
         acc_net, plain_net = make_nets(
             1, batch_size=128, module=CappedCPU, module__max_rows=16,
-            module__n_hidden=8192, iterator_train__shuffle=True)
+            module__n_hidden=8192, iterator_train__shuffle=True,
+            module__fails_from=2 + 2 * PLAN_REPEATS)
         acc_net.set_params(micro_batch_size='auto', memory_budget='12MB')
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
@@ -282,6 +305,13 @@ class TestCPUAllocatorError:
         assert acc_net.micro_batch_size_ <= 16 < 2 * acc_net.micro_batch_size_
         assert plan['max_cost'] == 10 * acc_net.micro_batch_size_
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
+    def test_onednn_error_is_an_allocation_failure(self):
+        # what oneDNN raises when a convolution's memory cannot be allocated
+        assert is_out_of_memory(RuntimeError(ONEDNN_ERROR))
+        assert is_out_of_memory(RuntimeError(CPU_ALLOCATOR_ERROR))
+        assert not is_out_of_memory(RuntimeError('shapes do not match'))
+        assert not is_out_of_memory(ValueError(ONEDNN_ERROR))
 
     def test_not_while_loading_a_micro_batch(self, clf_data):
         # a replay would lose the micro-batch that failed to load
