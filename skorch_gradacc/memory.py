@@ -21,9 +21,9 @@ import torch
 from skorch_gradacc.batching import batch_len, is_positive_int, split_batch
 from skorch_gradacc.counting import restore_buffers
 
-__all__ = ['PLAN_MARGIN', 'PLAN_REPEATS', 'ActivationMemory', 'PeakMemory',
-           'available_memory', 'batch_cost', 'largest_cost', 'parse_budget',
-           'plan_memory', 'track_activation_memory']
+__all__ = ['PLAN_MARGIN', 'ActivationMemory', 'PeakMemory', 'available_memory',
+           'batch_cost', 'is_out_of_memory', 'largest_cost', 'parse_budget',
+           'track_activation_memory']
 
 
 class ActivationMemory:
@@ -153,6 +153,12 @@ def available_memory(device):
       ``/proc/meminfo``.
 
     None where none of them can be read (another device, another OS).
+
+    Examples
+    --------
+    >>> available_memory('cpu') > 0  # on Linux
+    True
+
     """
     device = torch.device(device)
     if device.type == 'cuda':
@@ -660,7 +666,18 @@ ONEDNN_ERROR = 'could not create a primitive'
 
 
 def is_out_of_memory(error):
-    """Whether ``error`` is an allocation failure of CUDA or the CPU."""
+    """Whether ``error`` is an allocation failure of CUDA or the CPU.
+
+    CUDA's out-of-memory error, or a RuntimeError of torch's CPU allocator
+    or of oneDNN (``could not create a primitive``).
+
+    Examples
+    --------
+    >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate "
+    ...                               "memory: you tried to allocate 8 bytes"))
+    True
+
+    """
     return isinstance(error, _OUT_OF_MEMORY_ERRORS) or (
         isinstance(error, RuntimeError)
         and any(text in str(error) for text in (CPU_ALLOCATOR_ERROR,
