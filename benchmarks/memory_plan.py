@@ -1,20 +1,13 @@
 """Does ``micro_batch_size='auto'`` with a ``memory_budget`` plan right?
 
-    python -m benchmarks.memory_plan --out benchmark_results
+    python -m benchmarks.memory_plan --out benchmark_results   # --quick: smoke
 
-Six workloads, three budgets each, every fit in a fresh process
-(``harness.fresh_process``: glibc ``mmap`` s blocks of 64 KiB or more, one torch
-thread) that pays torch's one-time costs on a small fit of the same workload,
-builds its net, calls ``initialize()``, caps its address space (``RLIMIT_AS``) at
-its size then (``VmSize``) plus the budget, and trains one epoch. The measured
-peak is the growth of ``VmHWM`` (reset through ``/proc/self/clear_refs``; the
-unresettable ``ru_maxrss`` would hold the warm-up's) over the RSS after
-``initialize()``, less the pages of code read in meanwhile (``RssFile``), which no
-allocation takes. The plan's micro-batch is set against the largest
-``micro_batch_size=n`` that trains under the same cap (bisection to 10%), its
-``plan_seconds`` against one step (the epoch's time less the planning, per step).
-Two fits run at a time. The target row: an MLP in float64 under a cap where plain
-skorch at the large batch fails. ``--quick``: two small workloads, a smoke run.
+Six workloads, three budgets each; each fit in a fresh process
+(``harness.fresh_process``), warmed up on a small fit, capped after
+``initialize()`` at its ``VmSize`` plus the budget (``RLIMIT_AS``), one epoch.
+Peak: ``VmHWM`` growth over the RSS after ``initialize()``, less code paged in
+(``RssFile``). The plan is set against the largest ``micro_batch_size=n`` that
+trains under the cap (bisection to 10%), ``plan_seconds`` against one step.
 """
 
 import gc
@@ -32,6 +25,7 @@ from benchmarks import harness
 from benchmarks.stream_memory import VOCAB, TokenHead
 from benchmarks.workloads import make_net, make_workload
 from skorch_gradacc.demo import max_param_diff
+from skorch_gradacc.memory import is_out_of_memory
 
 sys.path.insert(0, str(harness.ROOT / 'docs'))  # the recipes' modules
 import fine_tuning_transformers as bert  # noqa: E402
@@ -46,9 +40,6 @@ QUICK = {'mlp': (512, 2, (16,)), 'token_lm': (4, 3, (12,))}
 TARGET = {False: ('mlp', 40), True: ('mlp', 28)}  # by --quick: workload, MiB
 MODULES = {'mlp': {'n_hidden': 1024}, 'cnn': {'in_channels': 3, 'image_size': 32},
            'transformer': {'seq_len': 64}}
-# what the CPU allocator, Python, the back-off and oneDNN's convolutions raise
-ALLOCATION_ERRORS = ("can't allocate memory", 'MemoryError', 'does not fit in memory',
-                     'could not create a primitive')
 
 
 def ids_and_labels(sequences):
@@ -118,9 +109,10 @@ def run(name, plain, batch_size, rows, budget_mib=None, params=(),
         code, start = harness._status_kib('RssFile'), time.perf_counter()
         try:
             net.partial_fit(X, y)
-        except (RuntimeError, MemoryError) as error:
+        except (RuntimeError, MemoryError) as error:  # the back-off's, too
             text = '{}: {}'.format(type(error).__name__, error).splitlines()[0]
-            if not any(part in text for part in ALLOCATION_ERRORS):
+            if not (is_out_of_memory(error) or 'fit in memory' in text
+                    or isinstance(error, MemoryError)):
                 raise
             return text[:160], code, None
         return None, code, time.perf_counter() - start

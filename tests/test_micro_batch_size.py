@@ -20,7 +20,6 @@ from conftest import (
     max_param_diff,
 )
 
-
 # the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, its try
 PLAN_PASSES = 2 + 2 * PLAN_REPEATS
 
