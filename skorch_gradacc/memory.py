@@ -449,7 +449,10 @@ def plan_memory(net, group, buffers, **fit_params):
         max_cost = engine.min_over_ranks(
             _NO_LIMIT if max_cost is None else max_cost)
         planned = max(1, min(rows, int(max_cost / per_row + 1e-9)))
-        tried = _verify(net, engine, first, planned, state + kept, buffers,
+        # beside the state and what is kept, the margin: what a cap counts
+        # and the passes do not show (the address space of later steps)
+        reserve = state + kept + int(PLAN_MARGIN * (budget or 0))
+        tried = _verify(net, engine, first, planned, reserve, buffers,
                         **fit_params)
     if tried < planned:
         planned, max_cost = tried, math.ceil(tried * per_row)
