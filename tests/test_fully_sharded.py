@@ -478,18 +478,22 @@ class TestValidation:
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
-def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path):
-    # the docs' train_fsdp.py is a literal block, run here as the page says;
-    # a plain net in this process loads its checkpoint and predicts what
-    # every rank printed
+def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path, monkeypatch):
+    # the docs' train_fsdp.py and the train.py it imports from are literal
+    # blocks, run here as the page says; a plain net in this process loads
+    # its checkpoint and predicts what every rank printed
     text = (Path(__file__).parent.parent / 'docs' / 'scaling_out.rst').read_text()
-    start = text.index('``train_fsdp.py``::') + len('``train_fsdp.py``::')
-    block = text[start:text.index('and run it like the DDP script')]
-    script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
-    (tmp_path / 'train_fsdp.py').write_text(script + '\n')
+    for name, end in [('train.py', 'and run it on one machine'),
+                      ('train_fsdp.py', 'and run it like the DDP script')]:
+        marker = '``{}``::'.format(name)
+        start = text.index(marker) + len(marker)
+        block = text[start:text.index(end, start)]
+        script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
+        (tmp_path / name).write_text(script + '\n')
     run = launch('train_fsdp.py', tmp_path, cwd=tmp_path, timeout=TIME_LIMIT)
     assert run.returncode == 0, run.tail()
 
+    monkeypatch.syspath_prepend(str(tmp_path))  # train_fsdp imports train
     recipe = runpy.run_path(str(tmp_path / 'train_fsdp.py'))
     X, _ = make_classification(2000, 20, random_state=0)
     plain = NeuralNetClassifier(recipe['mlp'], optimizer=torch.optim.Adam)
