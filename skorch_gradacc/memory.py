@@ -21,8 +21,8 @@ import torch
 from skorch_gradacc.batching import batch_len, is_positive_int, split_batch
 from skorch_gradacc.counting import restore_buffers
 
-__all__ = ['PLAN_MARGIN', 'ActivationMemory', 'PeakMemory', 'available_memory',
-           'batch_cost', 'is_out_of_memory', 'largest_cost', 'parse_budget',
+__all__ = ['ActivationMemory', 'PeakMemory', 'available_memory', 'batch_cost',
+           'is_out_of_memory', 'largest_cost', 'parse_budget',
            'track_activation_memory']
 
 
@@ -482,7 +482,7 @@ def largest_cost(budget, fixed, slope):
     """Return the largest cost per piece that the plan lets through.
 
     The largest whole ``cost`` with ``fixed + slope * cost`` at most
-    ``budget`` less :data:`PLAN_MARGIN`: 0 if ``fixed`` alone is more, None
+    ``budget`` less ``PLAN_MARGIN`` (10%): 0 if ``fixed`` alone is more, None
     where nothing limits it (no budget, or no slope).
 
     Examples
