@@ -37,6 +37,7 @@ from skorch_gradacc.counting import (
     check_loss_is_mean,
     count_items,
     scale_gradients,
+    snapshot_buffers,
     weighted_mean,
 )
 from skorch_gradacc.engine import (
@@ -46,6 +47,16 @@ from skorch_gradacc.engine import (
     learnable_gradients,
 )
 from skorch_gradacc.grouping import MicroBatchGroup
+from skorch_gradacc.memory import (
+    back_off,
+    backed_off_size,
+    backs_off,
+    is_out_of_memory,
+    parse_budget,
+    plan_memory,
+    record_measured_peak,
+    split_micro_batch,
+)
 
 __all__ = ['GradAccMixin']
 
@@ -104,8 +115,16 @@ class GradAccMixin:
       Split each training micro-batch, and each validation and prediction
       batch, into pieces of at most this many rows for the forward pass;
       the batches that the history and callbacks see are unchanged. With
-      ``'auto'``, an out-of-memory error halves the pieces and replays the
-      group, with the same update (see the docs' memory page).
+      ``'auto'``, the net plans the largest pieces that fit
+      ``memory_budget`` before the first step, and an out-of-memory error
+      (CUDA's or the CPU allocator's) halves them and replays the group,
+      with the same update (see the docs' memory page).
+
+    memory_budget : None, int or str (default=None)
+      With ``micro_batch_size='auto'`` only: the bytes the fit may add to
+      what the process holds after ``initialize()``, e.g. ``'2GiB'``. None:
+      what the device still gives
+      (:func:`skorch_gradacc.memory.available_memory`).
 
     skip_nonfinite : bool (default=False)
       Skip a step whose accumulated gradient holds inf or NaN: parameters
@@ -131,6 +150,12 @@ class GradAccMixin:
     micro_batch_size_ : int or None
       With ``micro_batch_size='auto'``, the size found to fit; None while
       whole micro-batches fit.
+
+    memory_plan_ : dict or None
+      With ``micro_batch_size='auto'``, the plan made before the first
+      step: ``'budget'``, ``'micro_batch_size'``, ``'max_cost'`` (of a
+      piece, in ``'unit'``), ``'predicted_peak'``, ``'measured_peak'``
+      (bytes, over the first step), ``'plan_seconds'`` and the fit's terms.
 
     grad_scaler_ : torch.amp.GradScaler or None
       The GradScaler of ``mixed_precision='fp16'``.
@@ -167,13 +192,14 @@ class GradAccMixin:
     # __init_subclass__).
     def __init__(self, *args, acc_steps=1, micro_batch_size=None,
                  skip_nonfinite=False, mixed_precision=None, check_loss=True,
-                 **kwargs):
+                 memory_budget=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.acc_steps = acc_steps
         self.micro_batch_size = micro_batch_size
         self.skip_nonfinite = skip_nonfinite
         self.mixed_precision = mixed_precision
         self.check_loss = check_loss
+        self.memory_budget = memory_budget
 
     def __init_subclass__(cls, **kwargs):
         # scikit-learn's estimator checks read the parameters from the
@@ -212,6 +238,12 @@ class GradAccMixin:
         if not (self.micro_batch_size is None or self.micro_batch_size == 'auto'):
             check_positive_int('micro_batch_size', self.micro_batch_size,
                                "None, 'auto' or ")
+        parse_budget(self.memory_budget)
+        if self.memory_budget is not None and self.micro_batch_size != 'auto':
+            raise ValueError(
+                "memory_budget={!r} needs micro_batch_size='auto', got {!r}; "
+                "set micro_batch_size='auto' or memory_budget=None.".format(
+                    self.memory_budget, self.micro_batch_size))
         for name in ('skip_nonfinite', 'check_loss'):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError("{} must be True or False, got {!r} instead."
@@ -284,6 +316,7 @@ class GradAccMixin:
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
         self.micro_batch_size_ = None
+        self.memory_plan_ = self._memory_meter_ = None
         self.grad_scaler_ = None
         return super().initialize()
 
@@ -489,8 +522,9 @@ class GradAccMixin:
         self._batch_step_skipped_ = False
 
     def on_batch_end(self, net, batch=None, training=False, **kwargs):
-        """Report a skipped training step to the callbacks that follow."""
+        """Report a skipped step, and a plan's measured peak, to the callbacks."""
         super().on_batch_end(net, batch=batch, training=training, **kwargs)
+        record_measured_peak(self)
         # the net's own hook runs before the callbacks' in skorch's notify
         self._batch_step_skipped_ = bool(
             training and getattr(self, 'step_skipped_', False))
@@ -637,13 +671,16 @@ class GradAccMixin:
           rows, both detached; else ``y_pred`` is None.
 
         """
-        buffers = self._snapshot_buffers()
+        auto = self.micro_batch_size == 'auto'
+        buffers = snapshot_buffers(self) if auto else None
+        if auto and self.memory_plan_ is None:
+            plan_memory(self, group, buffers, **fit_params)
         while True:
             self._piece_records_ = []
             try:
                 step = self._accumulate_gradients(group, **fit_params)
-            except _OUT_OF_MEMORY_ERRORS as error:
-                if self.micro_batch_size != 'auto':
+            except Exception as error:
+                if not (auto and backs_off(error)):
                     raise
                 size = getattr(error, 'micro_batch_size', None)
             else:
@@ -654,7 +691,7 @@ class GradAccMixin:
             self.get_engine().discard_gradient(functools.partial(
                 self._train_piece, counts=_NO_ITEMS, is_last=True,
                 **fit_params))
-            self._back_off_micro_batch_size(group, buffers, size)
+            back_off(self, group, buffers, size)
 
     def _accumulate_gradients(self, group, **fit_params):
         engine = self.get_engine()
@@ -677,13 +714,14 @@ class GradAccMixin:
                     0.0 if counts.count_unit is None else counts.count_unit))
             try:
                 step = self._train_piece(piece, counts, is_last, **fit_params)
-            except _OUT_OF_MEMORY_ERRORS:
-                if self.micro_batch_size == 'auto':
+            except Exception as error:
+                if self.micro_batch_size == 'auto' and is_out_of_memory(error):
+                    error.in_pass = True
                     # the other ranks run this pass's collectives, and learn
                     # of the error: so must this one
                     engine.after_error(functools.partial(
                         self._train_piece, counts=_NO_ITEMS, is_last=is_last,
-                        **fit_params), self._backed_off_size(group))
+                        **fit_params), backed_off_size(group))
                 raise
             counts.add_loss(step['loss'].detach())
             if keep_y_pred and batch_len(piece):
@@ -697,13 +735,11 @@ class GradAccMixin:
     def _pieces(self, group):
         """Yield ``(piece, is_last)`` for the pieces of ``group``.
 
-        A piece is a micro-batch, or a slice of ``micro_batch_size`` rows.
+        A piece is a micro-batch, or a slice of ``micro_batch_size`` rows
+        (with a memory plan, of its cost).
         """
-        size = self.get_micro_batch_size()
         for index, micro in enumerate(group.micro_batches()):
-            group.rows_in_flight = batch_len(micro)
-            pieces = ([micro] if size is None or group.rows_in_flight <= size
-                      else split_batch(micro, size))
+            pieces = split_micro_batch(self, micro, group)
             del micro  # held by pieces until the next one is pulled
             last = len(pieces) - 1
             for number in range(len(pieces)):
@@ -806,44 +842,6 @@ class GradAccMixin:
 
     # micro_batch_size='auto'
 
-    def _snapshot_buffers(self):
-        """Copy the modules' buffers, for a retry after an out-of-memory error."""
-        if self.micro_batch_size != 'auto':
-            return None
-        return [(buffer, buffer.detach().clone())
-                for name in self._modules + self._criteria
-                if isinstance(getattr(self, name + '_', None), torch.nn.Module)
-                for buffer in getattr(self, name + '_').buffers()]
-
-    def _backed_off_size(self, group):
-        """Return half the rows of the piece that ran out of memory."""
-        rows = group.rows_in_flight
-        current = min(self.micro_batch_size_ or rows, rows)
-        if current <= 1:
-            raise RuntimeError(
-                "micro_batch_size='auto': a micro-batch of one row does not fit "
-                "in memory; use a smaller model or less data per row.")
-        return (current + 1) // 2
-
-    def _back_off_micro_batch_size(self, group, buffers, size=None):
-        """Halve the pieces after an out-of-memory error and start again.
-
-        As if the error had not happened: no gradient, and the modules'
-        buffers as they were before the group. ``size``: the size that all
-        ranks agreed on, if another rank ran out of memory.
-        """
-        self._zero_grad_optimizer()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        self.micro_batch_size_ = size or self._backed_off_size(group)
-        # each back-off once, in the row of the batch that backed off
-        row = self.history[-1]['batches'][-1]
-        row['micro_batch_size_backoff'] = row.get(
-            'micro_batch_size_backoff', []) + [self.micro_batch_size_]
-
     def on_epoch_end(self, net, **kwargs):
         """Record the epoch's micro-batch size and skipped steps, if used."""
         super().on_epoch_end(net, **kwargs)
@@ -899,10 +897,6 @@ class GradAccMixin:
         return concat_outputs([
             super(GradAccMixin, self).evaluation_step(piece, training=training)
             for piece in pieces])
-
-
-_OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
-    (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
 
 
 def grad_acc_params_doc():

@@ -35,6 +35,7 @@ from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
+from skorch_gradacc.memory import PLAN_REPEATS
 
 from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
@@ -46,7 +47,8 @@ STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
-SCENARIOS = ['samples', 'auto', 'shuffle', 'tokens', 'bucket', 'iterable']
+SCENARIOS = ['samples', 'auto', 'plan', 'shuffle', 'tokens', 'bucket',
+             'iterable']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
 LAUNCH_LIMIT = 480
@@ -120,14 +122,33 @@ def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
     ranks = ddp.ranks('auto')
     assert_same_as_single_process(ranks, classifier(195), failed_attempts=1)
     # every rank backs off with rank 1 and records it alike: rank 0 learns
-    # of it at the end of its first attempt (its 3 micro-batches of 8)
-    assert ranks[0]['piece_rows'][:4] == [8, 8, 8, 4]
-    assert ranks[1]['piece_rows'][:2] == [8, 4]
+    # of it at the end of its first attempt (its 3 micro-batches of 8),
+    # after the plan's passes of 1 and 2 rows and its try of 8 rows, which
+    # rank 1 lets through (the plan was wrong)
+    plan = 2 + 2 * PLAN_REPEATS
+    for rank in ranks:
+        assert rank['piece_rows'][:plan] == [1] + [1, 2] * PLAN_REPEATS + [8]
+    assert ranks[0]['piece_rows'][plan:plan + 4] == [8, 8, 8, 4]
+    assert ranks[1]['piece_rows'][plan:plan + 2] == [8, 4]
     for rank in ranks:
         assert rank['micro_batch_size_'] == 4
         assert max(rank['piece_rows'][rank['piece_rows'].index(4):]) == 4
         assert rank['backoffs'] == [[[4]] + [None] * 4, [None] * 5]
         assert rank['epoch_micro_batch_size'] == [4, 4]
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_takes_the_smallest_memory_plan(ddp):
+    # only rank 1 has a budget (of 1 byte): rank 0 takes its plan of pieces
+    # of 1 row too, and records it
+    ranks = ddp.ranks('plan')
+    for rank in ranks:
+        assert rank['memory_plan_']['max_cost'] == 0
+        assert rank['memory_plan_']['micro_batch_size'] == 1
+        assert rank['micro_batch_size_'] == 1
+    assert [rank['memory_plan_']['budget'] for rank in ranks][1] == 1
+    assert_same_as_single_process(ranks, classifier(195))
 
 
 @pytest.mark.slow  # torchrun

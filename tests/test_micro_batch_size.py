@@ -9,6 +9,7 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import ProgressBar
 
 from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc.memory import PLAN_REPEATS
 
 from conftest import (
     PARAM_ATOL,
@@ -19,20 +20,24 @@ from conftest import (
     max_param_diff,
 )
 
+# the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, its try
+PLAN_PASSES = 2 + 2 * PLAN_REPEATS
+
 
 class CappedMLP(MLPClassifier):
     """Raises torch.cuda.OutOfMemoryError (torch 2.3 has no
     torch.OutOfMemoryError) above ``max_rows`` rows, like a GPU
-    that cannot hold more; records the rows it saw."""
+    that cannot hold more, after its first ``fails_from`` passes; records
+    the rows it saw."""
 
-    def __init__(self, max_rows=1000):
+    def __init__(self, max_rows=1000, fails_from=0):
         super().__init__()
-        self.max_rows = max_rows
+        self.max_rows, self.fails_from = max_rows, fails_from
         self.rows_ = []
 
     def forward(self, X):
         self.rows_.append(len(X))
-        if len(X) > self.max_rows:
+        if len(X) > self.max_rows and len(self.rows_) > self.fails_from:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
@@ -103,23 +108,42 @@ class TestFixedMicroBatchSize:
 
 class TestAutoMicroBatchSize:
     def test_backs_off_and_keeps_the_effective_batch(self, clf_data):
+        # the device holds 10 rows once the plan's passes are done: the plan
+        # was wrong
         acc_net, plain_net = micro_nets('auto', module__max_rows=10,
+                                        module__fails_from=PLAN_PASSES,
                                         optimizer=torch.optim.Adam, lr=0.01)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
         assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
-        # 32 rows fail, 16 fail, 8 fit; remembered for the rest of training
+        # the plan's passes on 4 and 8 rows and its try of 32 (the tiny
+        # model fits 32 rows, says the plan); then the loss check's pass of
+        # 32 rows fails, 16 fail, 8 fit; remembered for the rest of training
         assert acc_net.micro_batch_size_ == 8
-        assert acc_net.module_.rows_[:3] == [32, 16, 8]
+        assert acc_net.module_.rows_[:9] == [4, 4, 8, 4, 8, 32, 32, 16, 8]
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
         backoffs = acc_net.history[:, 'batches', :, 'micro_batch_size_backoff']
         # in the first batch's row only (skorch leaves out epochs without it)
         assert backoffs == [[[16, 8]]]
         assert 'micro_batch_size_backoff' not in acc_net.history[0, 'batches', 1]
 
+    def test_plan_halves_where_its_try_fails(self, clf_data):
+        # the try of the planned 32 rows fails, 16 fail, 8 fit: no back-off
+        acc_net, plain_net = micro_nets('auto', module__max_rows=10)
+        plain_net.set_params(module__max_rows=1000)
+        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+        assert acc_net.module_.rows_[:8] == [4, 4, 8, 4, 8, 32, 16, 8]
+        assert acc_net.memory_plan_['micro_batch_size'] == 8
+        assert acc_net.memory_plan_['max_cost'] == 8 * 10  # 10 features
+        assert acc_net.micro_batch_size_ == 8
+        assert not any('micro_batch_size_backoff' in row for epoch in
+                       acc_net.history for row in epoch['batches'])
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
-        acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1)
+        acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1,
+                                module__fails_from=PLAN_PASSES)
         fit_seeded(acc_net, *clf_data)
         acc_net.partial_fit(*clf_data)
         assert acc_net.micro_batch_size_ == 8
@@ -198,10 +222,12 @@ def test_auto_backs_off_on_real_cuda_memory(clf_data):
 
 class BatchNormCapped(torch.nn.Module):
     """BatchNorm updates its statistics before the simulated out-of-memory
-    error, as a real failure late in the forward pass would."""
+    error, as a real failure late in the forward pass would; after its first
+    ``fails_from`` passes."""
 
-    def __init__(self, max_rows=16):
+    def __init__(self, max_rows=16, fails_from=0):
         super().__init__()
+        self.fails_from, self.calls_ = fails_from, 0
         self.hidden = torch.nn.Linear(10, 16, dtype=torch.float64)
         self.norm = torch.nn.BatchNorm1d(16, dtype=torch.float64)
         self.output = torch.nn.Linear(16, 3, dtype=torch.float64)
@@ -209,22 +235,27 @@ class BatchNormCapped(torch.nn.Module):
 
     def forward(self, X):
         hidden = self.norm(self.hidden(X))
-        if len(X) > self.max_rows:
+        self.calls_ += 1
+        if len(X) > self.max_rows and self.calls_ > self.fails_from:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return torch.softmax(self.output(torch.tanh(hidden)), dim=-1)
 
 
-def test_auto_restores_buffers_of_failed_attempts(clf_data):
-    # 64 rows fail, 32 fail, 16 fit: the run equals one with 16 from the
-    # start, BatchNorm's running statistics and counter included
+@pytest.mark.parametrize('fails_from', [0, PLAN_PASSES])
+def test_auto_restores_buffers_of_failed_attempts(clf_data, fails_from):
+    # 64 rows fail, 32 fail, 16 fit, in the plan's try (0) or in the step
+    # (a back-off): the run equals one with 16 from the start, BatchNorm's
+    # running statistics and counter included
     kwargs = dict(batch_size=64, max_epochs=2, lr=0.1, verbose=0,
                   train_split=None, iterator_train__shuffle=True)
     auto = fit_seeded(GradAccNeuralNetClassifier(
-        BatchNormCapped, micro_batch_size='auto', **kwargs), *clf_data)
+        BatchNormCapped, micro_batch_size='auto', module__fails_from=fails_from,
+        **kwargs), *clf_data)
     fixed = fit_seeded(GradAccNeuralNetClassifier(
         BatchNormCapped, micro_batch_size=16, **kwargs), *clf_data)
     assert auto.micro_batch_size_ == 16
-    assert auto.history[0, 'batches', 0, 'micro_batch_size_backoff'] == [32, 16]
+    assert auto.history[0, 'batches', 0].get('micro_batch_size_backoff') == (
+        [32, 16] if fails_from else None)
     fixed_state = fixed.module_.state_dict()
     for key, value in auto.module_.state_dict().items():
         torch.testing.assert_close(value, fixed_state[key], rtol=0,

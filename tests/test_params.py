@@ -174,7 +174,7 @@ def test_every_parameter_is_in_the_signature_and_documented(net_cls):
         skorch_gradacc.GradAccMixin.__init__).parameters.items()
         if param.kind == param.KEYWORD_ONLY]
     assert own == ['acc_steps', 'micro_batch_size', 'skip_nonfinite',
-                   'mixed_precision', 'check_loss']
+                   'mixed_precision', 'check_loss', 'memory_budget']
     signature = inspect.signature(net_cls).parameters
     for name in own:
         assert signature[name].default == inspect.signature(

@@ -16,7 +16,9 @@ Accelerate's state lives as long as the process)
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
-  module runs out of memory above 4 rows.
+  module runs out of memory above 4 rows, after the plan's passes;
+* ``plan``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1
+  has a budget, of 1 byte: every rank plans pieces of 1 row.
 
 Each rank saves its parameters, history and counters to
 OUT_DIR/SCENARIO/rank{r}.pt.
@@ -49,11 +51,13 @@ from skorch_gradacc import (
     GradAccNeuralNetClassifier,
 )
 from skorch_gradacc.distributed import DistributedGradAccMixin
+from skorch_gradacc.memory import PLAN_REPEATS
 
 from conftest import MLPClassifier, classification_data
 
 BATCH_SIZE, ACC_STEPS = 8, 3
-N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195}
+N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
+             'plan': 195}
 
 
 class CountsMicroBatches:
@@ -87,14 +91,16 @@ class DDPTokenLMNet(CountsMicroBatches, TokenMixin, DistributedGradAccMixin,
 
 class CappedMLP(MLPClassifier):
     """Raises torch.cuda.OutOfMemoryError (torch 2.3 has no
-    torch.OutOfMemoryError) above ``max_rows`` rows."""
+    torch.OutOfMemoryError) above ``max_rows`` rows, after its first
+    ``fails_from`` passes."""
 
-    def __init__(self, max_rows=1000):
+    def __init__(self, max_rows=1000, fails_from=0):
         super().__init__()
-        self.max_rows = max_rows
+        self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
 
     def forward(self, X):
-        if len(X) > self.max_rows:
+        self.calls_ += 1
+        if len(X) > self.max_rows and self.calls_ > self.fails_from:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
@@ -159,8 +165,14 @@ def make_net_and_data(scenario, rank, device):
     module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
     if scenario == 'auto':
         module = CappedMLP
+        # after the plan's passes (their last, at 8 rows, fits): a plan that
+        # was wrong
         common.update(micro_batch_size='auto',
-                      module__max_rows=4 if rank == 1 else 1000)
+                      module__max_rows=4 if rank == 1 else 1000,
+                      module__fails_from=2 + 2 * PLAN_REPEATS)
+    if scenario == 'plan':
+        common.update(micro_batch_size='auto',
+                      memory_budget=1 if rank == 1 else None)
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -184,6 +196,7 @@ def run(scenario, out_dir, device):
         'micro_batches': net.micro_batches_,
         'rows': net.rows_,
         'micro_batch_size_': getattr(net, 'micro_batch_size_', None),
+        'memory_plan_': getattr(net, 'memory_plan_', None),
         'piece_rows': net.piece_rows_,
         'backoffs': [[row.get('micro_batch_size_backoff') for row in rows]
                      for rows in net.history[:, 'batches']],

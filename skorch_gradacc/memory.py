@@ -1,0 +1,728 @@
+"""Memory: the budget, the plan of ``micro_batch_size='auto'``, the back-off.
+
+:func:`parse_budget` and :func:`available_memory` give the bytes a fit may
+add; :func:`plan_memory` plans the pieces before the first step; after an
+allocation failure, :func:`back_off` halves them and replays the group;
+:func:`track_activation_memory` counts the bytes saved for backward. The
+docs' memory page says what is measured and where a plan can be wrong.
+"""
+
+import contextlib
+import ctypes
+import ctypes.util
+import math
+import re
+import resource
+import time
+
+import numpy as np
+import torch
+
+from skorch_gradacc.batching import batch_len, is_positive_int, split_batch
+from skorch_gradacc.counting import restore_buffers
+
+__all__ = ['ActivationMemory', 'PeakMemory', 'available_memory', 'batch_cost',
+           'is_out_of_memory', 'largest_cost', 'parse_budget',
+           'track_activation_memory']
+
+
+class ActivationMemory:
+    """Running and peak bytes of tensors saved for backward.
+
+    Attributes
+    ----------
+    current_bytes : int
+      Bytes saved by graphs that are still alive.
+
+    peak_bytes : int
+      The largest value ``current_bytes`` reached.
+
+    """
+
+    def __init__(self):
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def peak_mib(self):
+        """The peak in MiB."""
+        return self.peak_bytes / 2 ** 20
+
+    def _pack(self, tensor):
+        return _Saved(self, tensor)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor
+
+
+class _Saved:
+    """A saved tensor that reports its bytes until the graph releases it."""
+
+    __slots__ = ('meter', 'tensor', 'nbytes')
+
+    def __init__(self, meter, tensor):
+        self.meter = meter
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.current_bytes += self.nbytes
+        meter.peak_bytes = max(meter.peak_bytes, meter.current_bytes)
+
+    def __del__(self):
+        self.meter.current_bytes -= self.nbytes
+
+
+@contextlib.contextmanager
+def track_activation_memory():
+    """Count the bytes of tensors saved for backward inside the block.
+
+    Tensors that several graph nodes save are counted once per node, and
+    weights that autograd keeps for backward are counted although they take
+    no extra memory. The count therefore overstates activation memory by a
+    fixed amount for a given model, whatever the batch size; compare
+    measurements with each other, not with the device.
+
+    Examples
+    --------
+    >>> import torch
+    >>> layer = torch.nn.Linear(1000, 10)
+    >>> with track_activation_memory() as memory:
+    ...     layer(torch.randn(8, 1000)).sum().backward()
+    >>> memory.peak_bytes >= 8 * 1000 * 4  # the saved input
+    True
+    >>> memory.current_bytes  # released by backward
+    0
+
+    """
+    meter = ActivationMemory()
+    with torch.autograd.graph.saved_tensors_hooks(meter._pack, meter._unpack):
+        yield meter
+
+
+# The budget
+
+# the share of the budget that the plan leaves free, for what it does not
+# measure: the optimizer step's temporaries, the allocator's fragmentation,
+# and the error of the measurement
+PLAN_MARGIN = 0.1
+
+# the measured passes at each of the plan's two sizes
+PLAN_REPEATS = 2
+
+_BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
+                 'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
+                 'gib': 2 ** 30, 'tib': 2 ** 40}
+_BUDGET = re.compile(r'\s*(\d+(?:\.\d*)?)\s*([kmgt]i?b|b)\s*', re.IGNORECASE)
+
+
+def parse_budget(value):
+    """Return a ``memory_budget`` in bytes, or None.
+
+    ``value`` is None, a positive int (bytes), or a string of a number and
+    a unit: ``B``, ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000) or
+    ``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024), in any case.
+    Anything else raises a ValueError.
+
+    Examples
+    --------
+    >>> parse_budget('1.5GiB'), parse_budget('512MB'), parse_budget(4096)
+    (1610612736, 512000000, 4096)
+
+    """
+    if value is None or is_positive_int(value):
+        return value if value is None else int(value)
+    match = _BUDGET.fullmatch(value) if isinstance(value, str) else None
+    if match is not None:
+        nbytes = int(float(match[1]) * _BUDGET_UNITS[match[2].lower()])
+        if nbytes >= 1:
+            return nbytes
+    raise ValueError(
+        "memory_budget must be None, a positive number of bytes or a string "
+        "such as '2GiB' or '512MB', got {!r} instead.".format(value))
+
+
+def available_memory(device):
+    """Return the bytes this process can still allocate on ``device``.
+
+    * CUDA: the device's free memory (``torch.cuda.mem_get_info``) plus what
+      torch's caching allocator holds reserved but unused, and at most what
+      ``torch.cuda.set_per_process_memory_fraction`` leaves;
+    * CPU: the least of the address space left under ``RLIMIT_AS`` (its soft
+      limit minus ``VmSize``), the cgroup's ``memory.max`` (v1:
+      ``memory.limit_in_bytes``) minus its usage, and ``MemAvailable`` of
+      ``/proc/meminfo``.
+
+    None where none of them can be read (another device, another OS).
+
+    Examples
+    --------
+    >>> available_memory('cpu') > 0  # on Linux
+    True
+
+    """
+    device = torch.device(device)
+    if device.type == 'cuda':
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, 'get_per_process_memory_fraction', None)
+        if fraction is not None:
+            available = min(available, int(fraction(device) * total) - allocated)
+        return available
+    if device.type != 'cpu':
+        return None
+    limits = [_proc_bytes('/proc/meminfo', 'MemAvailable'), _cgroup_headroom()]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and _proc_bytes('/proc/self/status',
+                                                      'VmSize') is not None:
+        limits.append(soft - _proc_bytes('/proc/self/status', 'VmSize'))
+    limits = [limit for limit in limits if limit is not None]
+    return max(0, min(limits)) if limits else None
+
+
+def _proc_bytes(path, key):
+    """Return the ``key: N kB`` line of a /proc file in bytes, or None."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(key + ':'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_headroom():
+    """Return the process's cgroup memory limit minus its usage, or None."""
+    try:
+        with open('/proc/self/cgroup') as lines:
+            entries = [line.rstrip('\n').split(':', 2) for line in lines]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, path in entries:
+        if controllers == '':  # v2; in a namespace, the mount is the cgroup
+            candidates += [('/sys/fs/cgroup' + path, 'memory.max',
+                            'memory.current'),
+                           ('/sys/fs/cgroup', 'memory.max', 'memory.current')]
+        elif 'memory' in controllers.split(','):  # v1
+            candidates += [('/sys/fs/cgroup/memory' + path,
+                            'memory.limit_in_bytes', 'memory.usage_in_bytes'),
+                           ('/sys/fs/cgroup/memory', 'memory.limit_in_bytes',
+                            'memory.usage_in_bytes')]
+    for folder, limit, usage in candidates:
+        try:
+            with open(folder + '/' + limit) as f_limit, \
+                    open(folder + '/' + usage) as f_usage:
+                limit, usage = f_limit.read().strip(), f_usage.read().strip()
+        except OSError:
+            continue
+        # 'max', or v1's largest page-aligned number: no limit
+        if limit == 'max' or int(limit) >= 2 ** 60:
+            return None
+        return int(limit) - int(usage)
+    return None
+
+
+# The measurement
+
+class PeakMemory:
+    """The peak memory allocated on a device above a baseline.
+
+    The baseline is what is allocated when the object is made;
+    :meth:`window` measures a block, :meth:`peak` returns its peak above the
+    baseline (above the window's start with ``start=True``) and :meth:`held`
+    what is allocated now above the baseline. :attr:`method` says how:
+    ``'cuda'`` (``torch.cuda.max_memory_allocated``), ``'rss'`` (the CPU's
+    resident high-water mark ``VmHWM``, reset through
+    ``/proc/self/clear_refs`` after ``malloc_trim``), or, where that cannot
+    be reset, ``'saved_tensors'`` (:func:`track_activation_memory`).
+
+    Parameters
+    ----------
+    device : str or torch.device
+      The device whose memory is measured.
+
+    Examples
+    --------
+    >>> import torch
+    >>> meter = PeakMemory('cpu')
+    >>> with meter.window():
+    ...     x = torch.ones(2 ** 20)
+    >>> meter.method in ('rss', 'saved_tensors')
+    True
+
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        if self.device.type == 'cuda':
+            self.method = 'cuda'
+        else:
+            self.method = 'rss' if _reset_rss_peak() else 'saved_tensors'
+        self._saved = None
+        self.baseline = self._start = self._current()
+        self._held_baseline = self._current(held=True)
+
+    def _current(self, held=False):
+        if self.method == 'cuda':
+            return torch.cuda.memory_allocated(self.device)
+        if self.method == 'rss':
+            # what stays: anonymous memory, not the pages of code loaded
+            return _proc_bytes('/proc/self/status',
+                               'RssAnon' if held else 'VmRSS') or 0
+        return 0
+
+    def reset(self):
+        """Start a new window: its peak is what is allocated now."""
+        if self.method == 'cuda':
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.method == 'rss':
+            _reset_rss_peak()
+        self._start = self._current()
+
+    def held(self):
+        """Return the bytes allocated now above the baseline (CPU: anonymous)."""
+        return self._current(held=True) - self._held_baseline
+
+    @contextlib.contextmanager
+    def window(self):
+        """Measure the block: :meth:`peak` is the peak inside it."""
+        self.reset()
+        if self.method != 'saved_tensors':
+            yield self
+            return
+        with track_activation_memory() as self._saved:
+            yield self
+
+    def peak(self, start=False):
+        """Return the window's peak bytes above the baseline, or its start."""
+        if self.method == 'cuda':
+            peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.method == 'rss':
+            peak = _proc_bytes('/proc/self/status', 'VmHWM')
+        else:
+            return self._saved.peak_bytes if self._saved is not None else None
+        return max(0, peak - (self._start if start else self.baseline))
+
+
+def _reset_rss_peak():
+    """Give malloc's free memory back and reset VmHWM; whether it worked."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+    try:
+        with open('/proc/self/clear_refs', 'w') as clear_refs:
+            clear_refs.write('5')
+    except OSError:
+        return False
+    return _proc_bytes('/proc/self/status', 'VmHWM') is not None
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
+        return libc if hasattr(libc, 'malloc_trim') else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
+# The cost of a batch
+
+def batch_cost(batch):
+    """Return the cost of a batch: the elements of its largest input.
+
+    The input is ``X`` of a batch ``(X, y, ...)``, or the largest tensor or
+    array of a dict, list or tuple ``X``: rows times padded length for
+    token batches. None if ``X`` holds none; then the cost is the rows.
+
+    Examples
+    --------
+    >>> import torch
+    >>> batch_cost(({'input_ids': torch.zeros(4, 7), 'mask': None}, None))
+    28
+
+    """
+    X = batch[0] if isinstance(batch, (tuple, list)) else batch
+    sizes = list(_numels(X))
+    return max(sizes) if sizes else None
+
+
+def _numels(data):
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        yield int(np.prod(data.shape, dtype=np.int64))
+    elif isinstance(data, dict):
+        for value in data.values():
+            yield from _numels(value)
+    elif isinstance(data, (tuple, list)):
+        for value in data:
+            yield from _numels(value)
+
+
+def _cost_per_row(batch):
+    rows, cost = batch_len(batch), batch_cost(batch)
+    return cost / rows if cost and rows else 1.0
+
+
+def _nbytes(data):
+    """Return the bytes of the tensors and arrays in ``data``."""
+    if isinstance(data, torch.Tensor):
+        return data.nelement() * data.element_size()
+    if isinstance(data, np.ndarray):
+        return data.nbytes
+    if isinstance(data, dict):
+        return sum(_nbytes(value) for value in data.values())
+    if isinstance(data, (tuple, list)):
+        return sum(_nbytes(value) for value in data)
+    return 0
+
+
+def split_micro_batch(net, micro, group):
+    """Return the pieces of ``micro`` that go through the module one by one.
+
+    With a plan, the most rows whose cost is at most its ``max_cost`` (at
+    least 1); else :meth:`~skorch_gradacc.GradAccMixin.get_micro_batch_size`
+    rows. Notes ``rows_in_flight``, ``piece_rows`` and ``cost_per_row`` on
+    ``group`` for a back-off.
+    """
+    plan = getattr(net, 'memory_plan_', None)
+    rows = group.rows_in_flight = batch_len(micro)
+    group.cost_per_row = _cost_per_row(micro)
+    if plan is None or plan['max_cost'] is None:
+        size = net.get_micro_batch_size()
+    else:
+        size = max(1, int(plan['max_cost'] / group.cost_per_row + 1e-9))
+    group.piece_rows = rows if size is None else min(size, rows)
+    return [micro] if group.piece_rows >= rows else split_batch(micro, size)
+
+
+# The plan
+
+def plan_memory(net, group, buffers, **fit_params):
+    """Plan the pieces of ``micro_batch_size='auto'`` before the first step.
+
+    Forward and backward passes on the first rows of the group's first
+    micro-batch, at an eighth and a quarter of it, :data:`PLAN_REPEATS`
+    times each after a warm-up pass, fit ``peak = fixed + slope * cost``
+    (:func:`batch_cost`); ``fixed`` adds the optimizer state of the first
+    step (:func:`optimizer_state_bytes`) and what the group and the
+    callbacks keep. The plan, the largest cost that fits the budget less
+    :data:`PLAN_MARGIN` (the least over ranks), is then tried in one pass
+    beside a stand-in of that state, and halved while the pass fails to
+    allocate. It goes to ``net.memory_plan_``. The passes leave no gradient,
+    buffer (``buffers``, restored) or random state changed.
+
+    Skipped with FSDP2, and until a first micro-batch of 2 rows or more.
+    """
+    engine = net.get_engine()
+    if not engine.may_skip(False):  # FSDP2: its passes gather parameters
+        return
+    start = time.perf_counter()
+    first = next(iter(group.micro_batches()), None)  # the group keeps it
+    rows = 0 if first is None else batch_len(first)
+    if not engine.all_ranks(rows >= 2):
+        return
+    device = _device_of(net)
+    budget = parse_budget(net.memory_budget)
+    if budget is None:
+        budget = available_memory(device)
+    meter = PeakMemory(device)
+    per_row = _cost_per_row(first)
+    kept = (group.size - 1) * _nbytes(first) if group.keep else 0
+    state = optimizer_state_bytes(net)
+    with torch.random.fork_rng(
+            devices=[device] if device.type == 'cuda' else []):
+        trials, out_bytes = _trials(net, engine, meter, first, buffers,
+                                    **fit_params)
+        meter.reset()  # malloc hands back what the passes freed
+        (cost_1, peak_1), (cost_2, peak_2) = [
+            (size * per_row, peak) for size, peak in trials]
+        slope = max(0.0, (peak_2 - peak_1) / (cost_2 - cost_1))
+        if getattr(net, '_keep_train_y_pred_', False):
+            kept += out_bytes * rows * group.size
+        # max(0, held): the caches and thread pools of a first pass
+        fixed = (max(0.0, peak_1 - slope * cost_1) + state + kept
+                 + max(0, meter.held()))
+        max_cost = largest_cost(budget, fixed, slope)
+        max_cost = engine.min_over_ranks(
+            _NO_LIMIT if max_cost is None else max_cost)
+        planned = max(1, min(rows, int(max_cost / per_row + 1e-9)))
+        # beside the state and what is kept, the margin: what a cap counts
+        # and the passes do not show (the address space of later steps)
+        reserve = state + kept + int(PLAN_MARGIN * (budget or 0))
+        tried = _verify(net, engine, first, planned, reserve, buffers,
+                        **fit_params)
+    if tried < planned:
+        planned, max_cost = tried, math.ceil(tried * per_row)
+    predicted = int(fixed + slope * planned * per_row)
+    net.micro_batch_size_ = planned if planned < rows else None
+    net.memory_plan_ = {
+        'budget': budget,
+        'unit': 'rows' if batch_cost(first) is None else 'elements',
+        'micro_batch_size': planned,
+        'max_cost': None if max_cost == _NO_LIMIT else max_cost,
+        'fixed': int(fixed),
+        'slope': slope,
+        'predicted_peak': predicted,
+        'measured_peak': None,
+        'plan_seconds': time.perf_counter() - start,
+        'method': meter.method,
+        'trials': [(cost_1, peak_1), (cost_2, peak_2)],
+    }
+    row = net._current_batch_row()
+    if row is not None:
+        row['memory_plan_predicted'] = predicted
+    meter.reset()  # the first step's peak, above the same baseline
+    net._memory_meter_ = meter
+
+
+def largest_cost(budget, fixed, slope):
+    """Return the largest cost per piece that the plan lets through.
+
+    The largest whole ``cost`` with ``fixed + slope * cost`` at most
+    ``budget`` less ``PLAN_MARGIN`` (10%): 0 if ``fixed`` alone is more, None
+    where nothing limits it (no budget, or no slope).
+
+    Examples
+    --------
+    >>> largest_cost(budget=1000, fixed=100, slope=2)  # 100 + 2 * 400 = 900
+    400
+
+    """
+    if budget is None:
+        return None
+    left = budget * (1 - PLAN_MARGIN) - fixed
+    if left <= 0:
+        return 0
+    return None if slope <= 0 else int(left / slope)
+
+
+def record_measured_peak(net):
+    """Record the peak of the first planned step, after it."""
+    meter, net._memory_meter_ = getattr(net, '_memory_meter_', None), None
+    if meter is None:
+        return
+    measured = net.memory_plan_['measured_peak'] = meter.peak()
+    row = net._current_batch_row()
+    if row is not None:
+        row['memory_plan_measured'] = measured
+
+
+_NO_LIMIT = 2 ** 62  # the plan's cost per piece when nothing limits it
+
+_ONE_ROW = ("micro_batch_size='auto': a micro-batch of one row does not fit "
+            "in memory; use a smaller model or less data per row.")
+
+
+def _device_of(net):
+    module = getattr(net, 'module_', None)
+    param = next(module.parameters(), None) if module is not None else None
+    return param.device if param is not None else torch.device(net.device)
+
+
+def _passes(net, engine, pieces, buffers, reserve=0, **fit_params):
+    """Run ``_trial`` on each ``(piece, meter)``; None for a failed one.
+
+    The same passes on every rank (DDP's forward may broadcast): a failure
+    on one rank stops all of them.
+    """
+    results = []
+    for piece, meter in pieces:
+        failed = False
+        try:
+            # the optimizer state and what is kept, as in the step (an
+            # untouched block, which the address space counts)
+            held = torch.empty(reserve, dtype=torch.uint8,
+                               device=_device_of(net)) if reserve else None
+            results.append(_trial(net, engine, meter, piece, **fit_params))
+            del held
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            failed = True
+        if not engine.all_ranks(not failed):
+            results.append(None)
+            break
+    net._zero_grad_optimizer()
+    restore_buffers(buffers or ())
+    return results
+
+
+def _trials(net, engine, meter, first, buffers, **fit_params):
+    """Return the two measured ``(rows, peak)`` and the outputs' bytes a row.
+
+    Halves the sizes while a pass fails. The largest of each size's peaks
+    counts: on the CPU, malloc takes more or less for the same tensors.
+    """
+    rows = batch_len(first)
+    sizes = [max(1, rows // 8), max(2, rows // 4)]
+    while True:
+        order = [sizes[0]] + sizes * PLAN_REPEATS  # the first warms up
+        results = _passes(net, engine, [
+            (split_batch(first, size)[0], meter) for size in order],
+            buffers, **fit_params)
+        if None not in results:
+            peaks = [max(peak for (size_, peak, _) in results[1:]
+                         if size_ == size) for size in sizes]
+            return (list(zip(sizes, peaks)), results[-1][2] / sizes[1])
+        if sizes[0] == 1:
+            raise RuntimeError(_ONE_ROW)
+        sizes = [max(1, sizes[0] // 2), max(2, sizes[1] // 2)]
+
+
+def _verify(net, engine, first, planned, reserve, buffers, **fit_params):
+    """Return the planned rows, halved while a pass at them fails.
+
+    Where the budget is the device's or a hard limit's, the measured peak
+    can miss what a cap counts (the CPU's address space grows more than its
+    resident memory): one pass at the plan, beside ``reserve`` bytes,
+    settles it.
+    """
+    while True:
+        piece = split_batch(first, planned)[0]
+        if None not in _passes(net, engine, [(piece, _NoMeter)],
+                               buffers, reserve, **fit_params):
+            return planned
+        if planned == 1:
+            raise RuntimeError(_ONE_ROW)
+        planned = (planned + 1) // 2
+
+
+class _NoMeter:
+    """A meter that measures nothing, for a pass that only has to fit."""
+
+    method = None
+    window = staticmethod(contextlib.nullcontext)
+
+    @staticmethod
+    def peak(start=False):
+        return 0
+
+
+def _trial(net, engine, meter, piece, **fit_params):
+    """Run forward and backward on ``piece``; return its peak and outputs."""
+    params = [param for _, param in net.get_all_learnable_params()]
+    for param in params:
+        param.grad = None  # each pass allocates the gradients
+    with meter.window():
+        with engine.context(False), net.autocast():
+            step = net.train_step_single(piece, **fit_params)
+        peak = meter.peak(start=True)
+    if meter.method == 'saved_tensors':
+        peak += sum(_nbytes(param.grad) for param in params
+                    if param.grad is not None)
+    return (batch_len(piece), peak,
+            _nbytes(step.get('y_pred') if isinstance(step, dict) else None))
+
+
+def optimizer_state_bytes(net):
+    """Return the bytes of state the optimizers create at their first step.
+
+    0 for an optimizer that holds state already. Else a zero stand-in of
+    each shape of parameter steps once in a new optimizer of the same class
+    and settings, and its state is counted; twice the parameters' bytes
+    (Adam's) for an optimizer that cannot be made so.
+    """
+    total, known = 0, {}
+    for name in net._optimizers:
+        optimizer = getattr(net, name + '_', None)
+        # a wrapper such as Accelerate's AcceleratedOptimizer
+        while isinstance(getattr(optimizer, 'optimizer', None),
+                         torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        if optimizer is None or len(optimizer.state):
+            continue
+        for index, group in enumerate(optimizer.param_groups):
+            settings = {key: value for key, value in group.items()
+                        if key != 'params'}
+            for param in group['params']:
+                key = (index, tuple(param.shape), param.dtype, param.device)
+                if key not in known:
+                    known[key] = _state_bytes(type(optimizer), settings, param)
+                total += known[key]
+    return total
+
+
+def _state_bytes(cls, settings, param):
+    standin = torch.zeros_like(param.detach()).requires_grad_()
+    standin.grad = torch.zeros_like(standin)
+    try:
+        probe = cls([dict(settings, params=[standin])])
+        probe.step()
+    except Exception:  # noqa: BLE001 (a class that needs more arguments)
+        return 2 * _nbytes(param)
+    return sum(_nbytes(value) for value in probe.state[standin].values()
+               if isinstance(value, torch.Tensor) and value.device == param.device)
+
+
+# The back-off
+
+_OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
+    (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
+
+# in the RuntimeError of torch's CPU allocator when malloc fails, and of
+# oneDNN when a convolution's workspace cannot be allocated
+CPU_ALLOCATOR_ERROR = "DefaultCPUAllocator: can't allocate memory"
+ONEDNN_ERROR = 'could not create a primitive'
+
+
+def is_out_of_memory(error):
+    """Whether ``error`` is an allocation failure of CUDA or the CPU.
+
+    CUDA's out-of-memory error, or a RuntimeError of torch's CPU allocator
+    or of oneDNN (``could not create a primitive``).
+
+    Examples
+    --------
+    >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate "
+    ...                               "memory: you tried to allocate 8 bytes"))
+    True
+
+    """
+    return isinstance(error, _OUT_OF_MEMORY_ERRORS) or (
+        isinstance(error, RuntimeError)
+        and any(text in str(error) for text in (CPU_ALLOCATOR_ERROR,
+                                                ONEDNN_ERROR)))
+
+
+def backs_off(error):
+    """Whether ``micro_batch_size='auto'`` backs off after ``error``.
+
+    CUDA's, and the CPU's raised in a pass (``in_pass``, set by the net):
+    one raised while a micro-batch was loaded would lose it in the replay.
+    """
+    return (isinstance(error, _OUT_OF_MEMORY_ERRORS)
+            or getattr(error, 'in_pass', False))
+
+
+def backed_off_size(group):
+    """Return half the rows of the piece that ran out of memory."""
+    rows = group.rows_in_flight
+    current = min(getattr(group, 'piece_rows', None) or rows, rows)
+    if current <= 1:
+        raise RuntimeError(_ONE_ROW)
+    return (current + 1) // 2
+
+
+def back_off(net, group, buffers, size=None):
+    """Halve the pieces after an out-of-memory error and start again.
+
+    With no gradient and the buffers of before the group. ``size``: the
+    size all ranks agreed on, if another rank failed. A plan's cost per
+    piece becomes that of the new size: it was wrong.
+    """
+    net._zero_grad_optimizer()
+    restore_buffers(buffers or ())
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    net.micro_batch_size_ = size or backed_off_size(group)
+    plan = getattr(net, 'memory_plan_', None)
+    if plan is not None and plan['max_cost'] is not None:
+        plan['max_cost'] = math.ceil(net.micro_batch_size_ * getattr(
+            group, 'cost_per_row', 1.0))
+    # each back-off once, in the row of the batch that backed off
+    row = net.history[-1]['batches'][-1]
+    row['micro_batch_size_backoff'] = row.get(
+        'micro_batch_size_backoff', []) + [net.micro_batch_size_]
