@@ -2,8 +2,8 @@
 
 Train with the update of a large batch while holding one micro-batch at a
 time: ``GradAccNeuralNetClassifier(module, batch_size=16, acc_steps=8)``
-trains like ``NeuralNetClassifier(module, batch_size=128)``; see the Memory
-section of the docs' "How it works" for what is held and what was measured.
+trains like ``NeuralNetClassifier(module, batch_size=128)``; the docs'
+"Memory and robustness" page says what is held in memory.
 """
 
 from skorch_gradacc.accum_grad import AccumGrad
