@@ -201,6 +201,8 @@ def tables(results):
             + [len(fit['backoffs']) if fit['error'] is None else 'failed']
             for name, entry in results['workloads'].items()
             for budget, fit in entry['budgets'].items()]
+    # a fit that failed before its plan has none of the plan's values
+    rows = [['-' if value is None else value for value in row] for row in rows]
     return {'memory_plan': [HEADER] + rows}
 
 

@@ -206,4 +206,8 @@ def test_the_generated_signature_is_what_sklearn_checks_read(check):
     # (*args, acc_steps=1, ..., **kwargs), and these checks fail
     from sklearn.utils import estimator_checks
 
+    if not hasattr(estimator_checks,
+                   'check_do_not_raise_errors_in_init_or_set_params'):
+        # scikit-learn before 1.6: the checks build the class without module
+        pytest.skip('these checks take an instance from scikit-learn 1.6 on')
     getattr(estimator_checks, check)('net', make_net(acc_steps=2))
