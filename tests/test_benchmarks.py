@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import run  # noqa: E402
+from benchmarks.harness import _git  # noqa: E402
 from benchmarks.suite import CONTENDERS, RSS_CONTENDERS  # noqa: E402
 
 MODELS = ('mlp', 'cnn', 'transformer')
@@ -367,14 +368,6 @@ def test_benchmarks_code_stays_within_its_line_budget():
 
 
 # ------------------------------------- the committed runs come from this code
-
-def _git(*args):
-    try:
-        return subprocess.run(['git', *args], capture_output=True, text=True,
-                              check=True, cwd=ROOT).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
 
 def _package_tree(commit):
     """The git tree of ``skorch_gradacc/`` at ``commit``, or None if unknown."""
