@@ -171,13 +171,18 @@ def available_memory(device):
         return available
     if device.type != 'cpu':
         return None
-    limits = [_proc_bytes('/proc/meminfo', 'MemAvailable'), _cgroup_headroom()]
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY and _proc_bytes('/proc/self/status',
-                                                      'VmSize') is not None:
-        limits.append(soft - _proc_bytes('/proc/self/status', 'VmSize'))
+    limits = [_proc_bytes('/proc/meminfo', 'MemAvailable'), _cgroup_headroom(),
+              _address_space_left()]
     limits = [limit for limit in limits if limit is not None]
     return max(0, min(limits)) if limits else None
+
+
+def _address_space_left():
+    """Return the soft ``RLIMIT_AS`` less ``VmSize``, or None without one."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    size = _proc_bytes('/proc/self/status', 'VmSize')
+    return None if soft == resource.RLIM_INFINITY or size is None else \
+        soft - size
 
 
 def _proc_bytes(path, key):
@@ -235,7 +240,8 @@ class PeakMemory:
     what is allocated now above the baseline. :attr:`method` says how:
     ``'cuda'`` (``torch.cuda.max_memory_allocated``), ``'rss'`` (the CPU's
     resident high-water mark ``VmHWM``, reset through
-    ``/proc/self/clear_refs`` after ``malloc_trim``), or, where that cannot
+    ``/proc/self/clear_refs`` after ``malloc_trim``, less the growth of
+    ``RssFile``: code paged in), or, where that cannot
     be reset, ``'saved_tensors'`` (:func:`track_activation_memory`).
 
     Parameters
@@ -262,6 +268,7 @@ class PeakMemory:
             self.method = 'rss' if _reset_rss_peak() else 'saved_tensors'
         self._saved = None
         self.baseline = self._start = self._current()
+        self._file_baseline = self._file_start = self._file_pages()
         self._held_baseline = self._current(held=True)
 
     def _current(self, held=False):
@@ -273,6 +280,13 @@ class PeakMemory:
                                'RssAnon' if held else 'VmRSS') or 0
         return 0
 
+    def _file_pages(self):
+        # VmHWM counts the pages of code and files read in too, which a
+        # first pass of a kernel adds once: the peak leaves them out
+        if self.method != 'rss':
+            return 0
+        return _proc_bytes('/proc/self/status', 'RssFile') or 0
+
     def reset(self):
         """Start a new window: its peak is what is allocated now."""
         if self.method == 'cuda':
@@ -280,6 +294,7 @@ class PeakMemory:
         elif self.method == 'rss':
             _reset_rss_peak()
         self._start = self._current()
+        self._file_start = self._file_pages()
 
     def held(self):
         """Return the bytes allocated now above the baseline (CPU: anonymous)."""
@@ -303,7 +318,9 @@ class PeakMemory:
             peak = _proc_bytes('/proc/self/status', 'VmHWM')
         else:
             return self._saved.peak_bytes if self._saved is not None else None
-        return max(0, peak - (self._start if start else self.baseline))
+        files = self._file_pages() - (self._file_start if start
+                                      else self._file_baseline)
+        return max(0, peak - files - (self._start if start else self.baseline))
 
 
 def _reset_rss_peak():
@@ -408,11 +425,12 @@ def plan_memory(net, group, buffers, **fit_params):
     times each after a warm-up pass, fit ``peak = fixed + slope * cost``
     (:func:`batch_cost`); ``fixed`` adds the optimizer state of the first
     step (:func:`optimizer_state_bytes`) and what the group and the
-    callbacks keep. The plan, the largest cost that fits the budget less
-    :data:`PLAN_MARGIN` (the least over ranks), is then tried in one pass
-    beside a stand-in of that state, and halved while the pass fails to
-    allocate. It goes to ``net.memory_plan_``. The passes leave no gradient,
-    buffer (``buffers``, restored) or random state changed.
+    callbacks keep. The plan, the largest cost that fits the budget (at
+    most what ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over
+    ranks, is then tried in one pass beside a stand-in of that state, and
+    cut to three quarters while the pass fails to allocate. It goes to
+    ``net.memory_plan_``. The passes leave no gradient, buffer
+    (``buffers``, restored) or random state changed.
 
     Skipped with FSDP2, and until a first micro-batch of 2 rows or more.
     """
@@ -437,6 +455,11 @@ def plan_memory(net, group, buffers, **fit_params):
         trials, out_bytes = _trials(net, engine, meter, first, buffers,
                                     **fit_params)
         meter.reset()  # malloc hands back what the passes freed
+        left = _address_space_left() if device.type == 'cpu' else None
+        if left is not None and budget is not None:
+            # the passes map more than they hold (caches of each shape, the
+            # heap): under RLIMIT_AS, what is left of it bounds the plan
+            budget = min(budget, max(0, meter.held()) + left)
         (cost_1, peak_1), (cost_2, peak_2) = [
             (size * per_row, peak) for size, peak in trials]
         slope = max(0.0, (peak_2 - peak_1) / (cost_2 - cost_1))
@@ -573,7 +596,7 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
 
 
 def _verify(net, engine, first, planned, reserve, buffers, **fit_params):
-    """Return the planned rows, halved while a pass at them fails.
+    """Return the planned rows, three quarters of them while a pass fails.
 
     Where the budget is the device's or a hard limit's, the measured peak
     can miss what a cap counts (the CPU's address space grows more than its
@@ -587,7 +610,8 @@ def _verify(net, engine, first, planned, reserve, buffers, **fit_params):
             return planned
         if planned == 1:
             raise RuntimeError(_ONE_ROW)
-        planned = (planned + 1) // 2
+        # a try that fails was close: smaller steps than the back-off's
+        planned = min(planned - 1, planned * 3 // 4)
 
 
 class _NoMeter:

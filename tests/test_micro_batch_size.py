@@ -128,15 +128,16 @@ class TestAutoMicroBatchSize:
         assert backoffs == [[[16, 8]]]
         assert 'micro_batch_size_backoff' not in acc_net.history[0, 'batches', 1]
 
-    def test_plan_halves_where_its_try_fails(self, clf_data):
-        # the try of the planned 32 rows fails, 16 fail, 8 fit: no back-off
+    def test_plan_steps_down_where_its_try_fails(self, clf_data):
+        # the try of the planned 32 rows fails, and of three quarters of it
+        # while it fails: 24, 18 and 13 fail, 9 fit; no back-off
         acc_net, plain_net = micro_nets('auto', module__max_rows=10)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:8] == [4, 4, 8, 4, 8, 32, 16, 8]
-        assert acc_net.memory_plan_['micro_batch_size'] == 8
-        assert acc_net.memory_plan_['max_cost'] == 8 * 10  # 10 features
-        assert acc_net.micro_batch_size_ == 8
+        assert acc_net.module_.rows_[:10] == [4, 4, 8, 4, 8, 32, 24, 18, 13, 9]
+        assert acc_net.memory_plan_['micro_batch_size'] == 9
+        assert acc_net.memory_plan_['max_cost'] == 9 * 10  # 10 features
+        assert acc_net.micro_batch_size_ == 9
         assert not any('micro_batch_size_backoff' in row for epoch in
                        acc_net.history for row in epoch['batches'])
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
@@ -243,23 +244,25 @@ class BatchNormCapped(torch.nn.Module):
 
 @pytest.mark.parametrize('fails_from', [0, PLAN_PASSES])
 def test_auto_restores_buffers_of_failed_attempts(clf_data, fails_from):
-    # 64 rows fail, 32 fail, 16 fit, in the plan's try (0) or in the step
-    # (a back-off): the run equals one with 16 from the start, BatchNorm's
-    # running statistics and counter included
+    # in the plan's try (0), 64, 48, 36, 27 and 20 rows fail, 15 fit; in
+    # the step (a back-off), 64 and 32 fail, 16 fit: the run equals one at
+    # that size from the start, BatchNorm's statistics and counter included
     kwargs = dict(batch_size=64, max_epochs=2, lr=0.1, verbose=0,
                   train_split=None, iterator_train__shuffle=True)
+    size = 16 if fails_from else 15
     auto = fit_seeded(GradAccNeuralNetClassifier(
         BatchNormCapped, micro_batch_size='auto', module__fails_from=fails_from,
         **kwargs), *clf_data)
     fixed = fit_seeded(GradAccNeuralNetClassifier(
-        BatchNormCapped, micro_batch_size=16, **kwargs), *clf_data)
-    assert auto.micro_batch_size_ == 16
+        BatchNormCapped, micro_batch_size=size, **kwargs), *clf_data)
+    assert auto.micro_batch_size_ == size
     assert auto.history[0, 'batches', 0].get('micro_batch_size_backoff') == (
         [32, 16] if fails_from else None)
     fixed_state = fixed.module_.state_dict()
     for key, value in auto.module_.state_dict().items():
         torch.testing.assert_close(value, fixed_state[key], rtol=0,
                                    atol=PARAM_ATOL, msg=key)
-    # micro-batches of 64, 64, 64 and 11 rows, in pieces of at most 16: 13
-    # forward passes an epoch
-    assert auto.module_.norm.num_batches_tracked.item() == 26
+    # micro-batches of 64, 64, 64 and 11 rows, in pieces of at most 16 (13
+    # forward passes an epoch) or 15 (16)
+    assert auto.module_.norm.num_batches_tracked.item() == (
+        26 if fails_from else 32)
