@@ -3,7 +3,7 @@
 Train with the update of a large batch while holding one micro-batch at a
 time: ``GradAccNeuralNetClassifier(module, batch_size=16, acc_steps=8)``
 trains like ``NeuralNetClassifier(module, batch_size=128)``; the docs'
-"Memory and robustness" page says what is held in memory.
+page "Memory, micro-batches and non-finite steps" says what is in memory.
 """
 
 from skorch_gradacc.accum_grad import AccumGrad

@@ -2,8 +2,8 @@
 
 A GradAcc net frees each micro-batch after its backward pass, so it must
 know before the epoch what the callbacks read of a training group
-(:func:`train_batch_reads`); the docs' "Callbacks and memory" section says
-how a callback declares it. :func:`count_steps_in_progress_bars` makes
+(:func:`train_batch_reads`); the docs' section "What do callbacks keep?"
+says how a callback declares it. :func:`count_steps_in_progress_bars` makes
 skorch's :class:`~skorch.callbacks.ProgressBar` count optimizer steps.
 """
 
