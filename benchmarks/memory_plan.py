@@ -6,8 +6,9 @@ Six workloads, three budgets each; each fit in a fresh process
 (``harness.fresh_process``), warmed up on a small fit, capped after
 ``initialize()`` at its ``VmSize`` plus the budget (``RLIMIT_AS``), one epoch.
 Peak: ``VmHWM`` growth over the RSS after ``initialize()`` and ``malloc_trim``,
-less code paged in (``RssFile``). The plan is set against the largest ``micro_batch_size=n`` that
-trains under the cap (bisection to 10%), ``plan_seconds`` against one step.
+less code paged in (``RssFile``). The plan is set against the largest
+``micro_batch_size=n`` that trains under the cap (bisection to 10%),
+``plan_seconds`` against one step.
 """
 
 import ctypes
