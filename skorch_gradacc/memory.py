@@ -421,7 +421,7 @@ def plan_memory(net, group, buffers, **fit_params):
     """Plan the pieces of ``micro_batch_size='auto'`` before the first step.
 
     Forward and backward passes on the first rows of the group's first
-    micro-batch, at an eighth and a quarter of it, :data:`PLAN_REPEATS`
+    micro-batch, at a sixteenth and an eighth of it, :data:`PLAN_REPEATS`
     times each after a warm-up pass, fit ``peak = fixed + slope * cost``
     (:func:`batch_cost`); ``fixed`` adds the optimizer state of the first
     step (:func:`optimizer_state_bytes`) and what the group and the
@@ -580,7 +580,7 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
     counts: on the CPU, malloc takes more or less for the same tensors.
     """
     rows = batch_len(first)
-    sizes = [max(1, rows // 8), max(2, rows // 4)]
+    sizes = [max(1, rows // 16), max(2, rows // 8)]
     while True:
         order = [sizes[0]] + sizes * PLAN_REPEATS  # the first warms up
         results = _passes(net, engine, [
@@ -626,17 +626,21 @@ class _NoMeter:
 
 
 def _trial(net, engine, meter, piece, **fit_params):
-    """Run forward and backward on ``piece``; return its peak and outputs."""
-    params = [param for _, param in net.get_all_learnable_params()]
+    """Run forward and backward on ``piece``; return its peak and outputs.
+
+    As a piece after the first of a step: its gradients are added to those
+    held, so each parameter's new gradient is held beside them for a while.
+    """
+    params = [param for _, param in net.get_all_learnable_params()
+              if param.requires_grad]
     for param in params:
-        param.grad = None  # each pass allocates the gradients
+        param.grad = torch.zeros_like(param)
     with meter.window():
         with engine.context(False), net.autocast():
             step = net.train_step_single(piece, **fit_params)
-        peak = meter.peak(start=True)
-    if meter.method == 'saved_tensors':
-        peak += sum(_nbytes(param.grad) for param in params
-                    if param.grad is not None)
+        # the gradients held before the window, and in it
+        peak = meter.peak(start=True) + sum(_nbytes(param.grad)
+                                            for param in params)
     return (batch_len(piece), peak,
             _nbytes(step.get('y_pred') if isinstance(step, dict) else None))
 

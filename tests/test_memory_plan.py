@@ -108,6 +108,23 @@ class WideNormed(torch.nn.Module):
 
 
 class TestPlan:
+    def test_passes_hold_the_gradients_as_later_pieces_do(self):
+        # a step's later pieces add a new gradient to the one held: for a
+        # 1000 x 1000 weight, 8 MB beside its 8 MB, which the plan counts
+        X = np.random.default_rng(0).normal(size=(64, 1000))
+        y = np.arange(64) % 3
+        module = torch.nn.Sequential(
+            torch.nn.Linear(1000, 1000, dtype=torch.float64),
+            torch.nn.Linear(1000, 3, dtype=torch.float64),
+            torch.nn.Softmax(dim=-1))
+        net = GradAccNeuralNetClassifier(
+            module, micro_batch_size='auto', memory_budget='1GiB',
+            batch_size=64, max_epochs=1, train_split=None, verbose=0)
+        net.fit(X, y)
+        weight = 1000 * 1000 * 8
+        for _, peak in net.memory_plan_['trials']:
+            assert peak >= 2 * weight
+
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
         # the running mean, the dropout draws and Adam's state

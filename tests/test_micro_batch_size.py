@@ -117,11 +117,11 @@ class TestAutoMicroBatchSize:
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
         assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
-        # the plan's passes on 4 and 8 rows and its try of 32 (the tiny
+        # the plan's passes on 2 and 4 rows and its try of 32 (the tiny
         # model fits 32 rows, says the plan); then the loss check's pass of
         # 32 rows fails, 16 fail, 8 fit; remembered for the rest of training
         assert acc_net.micro_batch_size_ == 8
-        assert acc_net.module_.rows_[:9] == [4, 4, 8, 4, 8, 32, 32, 16, 8]
+        assert acc_net.module_.rows_[:9] == [2, 2, 4, 2, 4, 32, 32, 16, 8]
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
         backoffs = acc_net.history[:, 'batches', :, 'micro_batch_size_backoff']
         # in the first batch's row only (skorch leaves out epochs without it)
@@ -134,7 +134,7 @@ class TestAutoMicroBatchSize:
         acc_net, plain_net = micro_nets('auto', module__max_rows=10)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:10] == [4, 4, 8, 4, 8, 32, 24, 18, 13, 9]
+        assert acc_net.module_.rows_[:10] == [2, 2, 4, 2, 4, 32, 24, 18, 13, 9]
         assert acc_net.memory_plan_['micro_batch_size'] == 9
         assert acc_net.memory_plan_['max_cost'] == 9 * 10  # 10 features
         assert acc_net.micro_batch_size_ == 9
