@@ -472,13 +472,30 @@ def plan_memory(net, group, buffers, **fit_params):
         max_cost = engine.min_over_ranks(
             _NO_LIMIT if max_cost is None else max_cost)
         planned = max(1, min(rows, int(max_cost / per_row + 1e-9)))
-        # beside the state and what is kept, the margin: what a cap counts
-        # and the passes do not show (the address space of later steps)
-        reserve = state + kept + int(PLAN_MARGIN * (budget or 0))
-        tried = _verify(net, engine, first, planned, reserve, buffers,
-                        **fit_params)
-    if tried < planned:
-        planned, max_cost = tried, math.ceil(tried * per_row)
+        # beside the state and what is kept, half the margin: the try shows
+        # its pass, not what a cap counts of later steps (address space)
+        reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
+        tried, peak = _verify(net, engine, meter, first, planned, reserve,
+                              buffers, **fit_params)
+        if tried < planned:
+            planned, max_cost = tried, math.ceil(tried * per_row)
+        if planned * per_row > cost_1:
+            # the line through the try and the smaller pass: the peak of a
+            # small pass falls where a gradient is added, of a large one
+            # where the activations are largest, so two small passes can
+            # overstate what the plan's size takes
+            slope_t = max(0.0, (peak - peak_1) / (planned * per_row - cost_1))
+            fixed += (max(0.0, peak_1 - slope_t * cost_1)
+                      - max(0.0, peak_1 - slope * cost_1))
+            slope, cost_t = slope_t, largest_cost(budget, fixed, slope_t)
+            cost_t = engine.min_over_ranks(
+                _NO_LIMIT if cost_t is None else cost_t)
+            grown = max(1, min(rows, int(cost_t / per_row + 1e-9)))
+            # once, and only for a tenth more: each try costs a pass
+            if grown > 1.1 * planned and _try(
+                    net, engine, meter, first, grown, reserve, buffers,
+                    **fit_params) is not None:
+                planned, max_cost = grown, cost_t
     predicted = int(fixed + slope * planned * per_row)
     net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
@@ -595,8 +612,9 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
         sizes = [max(1, sizes[0] // 2), max(2, sizes[1] // 2)]
 
 
-def _verify(net, engine, first, planned, reserve, buffers, **fit_params):
-    """Return the planned rows, three quarters of them while a pass fails.
+def _verify(net, engine, meter, first, planned, reserve, buffers,
+            **fit_params):
+    """Return the planned rows, less a quarter while a pass fails; its peak.
 
     Where the budget is the device's or a hard limit's, the measured peak
     can miss what a cap counts (the CPU's address space grows more than its
@@ -604,25 +622,25 @@ def _verify(net, engine, first, planned, reserve, buffers, **fit_params):
     settles it.
     """
     while True:
-        piece = split_batch(first, planned)[0]
-        if None not in _passes(net, engine, [(piece, _NoMeter)],
-                               buffers, reserve, **fit_params):
-            return planned
+        peak = _try(net, engine, meter, first, planned, reserve, buffers,
+                    **fit_params)
+        if peak is not None:
+            return planned, peak
         if planned == 1:
             raise RuntimeError(_ONE_ROW)
         # a try that fails was close: smaller steps than the back-off's
         planned = min(planned - 1, planned * 3 // 4)
 
 
-class _NoMeter:
-    """A meter that measures nothing, for a pass that only has to fit."""
+def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
+    """Return the peak of a pass on ``rows`` rows beside ``reserve`` bytes.
 
-    method = None
-    window = staticmethod(contextlib.nullcontext)
-
-    @staticmethod
-    def peak(start=False):
-        return 0
+    None where it fails to allocate, on any rank.
+    """
+    piece = split_batch(first, rows)[0]
+    result, = _passes(net, engine, [(piece, meter)], buffers, reserve,
+                      **fit_params)
+    return None if result is None else result[1]
 
 
 def _trial(net, engine, meter, piece, **fit_params):
