@@ -5,6 +5,7 @@ The oracle for most tests is plain skorch with ``batch_size * acc_steps``
 """
 
 import copy
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,12 @@ from skorch import NeuralNetClassifier, NeuralNetRegressor
 from skorch.callbacks import Callback
 
 from skorch_gradacc import GradAccNeuralNetClassifier, GradAccNeuralNetRegressor
+
+# One torch thread, here and in the processes the tests start: the models
+# are tiny, and two threads on two busy cores wait on each other (a fit of
+# the README's net took 50x longer with two while the suite ran).
+os.environ['OMP_NUM_THREADS'] = '1'
+torch.set_num_threads(1)
 
 # float64 for every test: tolerances can then be tight.
 DTYPE = torch.float64
