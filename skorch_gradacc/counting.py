@@ -3,9 +3,10 @@
 :func:`count_items` counts what torch's criteria divide by,
 :class:`ItemCounts` weights a group's micro-batches by their counts (for
 :class:`~skorch_gradacc.GradAccMixin` and :class:`~skorch_gradacc.AccumGrad`
-alike), and :func:`check_loss_is_mean` checks once per fit that the loss is a
-mean over what is counted. Counts are Python numbers, or tensors that are
-never read on the host, so that counting never waits for the device.
+alike), and :func:`check_loss_is_mean` checks, once in a fit from scratch
+that trains in groups, that the loss is a mean over what is counted. Counts
+are Python numbers, or tensors that are never read on the host, so that
+counting never waits for the device.
 """
 
 import math

@@ -6,8 +6,9 @@ initial weights and in the same sample order:
 
 * plain skorch with ``batch_size * acc_steps`` (the large batch, the truth);
 * ``GradAccNeuralNetClassifier`` with ``batch_size`` and ``acc_steps``;
-* the naive recipe (each loss divided by ``acc_steps``, the last partial
-  group stepped anyway), as found in skorch's FAQ and most training loops;
+* the naive recipe of most training loops (each loss divided by
+  ``acc_steps``, the last partial group stepped anyway; skorch's FAQ recipe
+  does not step it);
 
 and prints them side by side with a verdict. Nothing is downloaded.
 ``--plot PATH`` saves the loss curves beside each run's parameter distance
@@ -52,7 +53,7 @@ class DigitsMLP(torch.nn.Module):
 
 
 class NaiveDivideByK(NeuralNetClassifier):
-    """Naive accumulation, as in skorch's FAQ and most loops.
+    """Naive accumulation, as in most training loops.
 
     Backward on ``loss / k``, step every ``k`` micro-batches, and step
     whatever is left at the end of the epoch.

@@ -237,12 +237,13 @@ class PeakMemory:
     The baseline is what is allocated when the object is made;
     :meth:`window` measures a block, :meth:`peak` returns its peak above the
     baseline (above the window's start with ``start=True``) and :meth:`held`
-    what is allocated now above the baseline. :attr:`method` says how:
+    what is allocated now above the baseline; :attr:`windows` counts the
+    windows. :attr:`method` says how:
     ``'cuda'`` (``torch.cuda.max_memory_allocated``), ``'rss'`` (the CPU's
     resident high-water mark ``VmHWM``, reset through
     ``/proc/self/clear_refs`` after ``malloc_trim``, less the growth of
-    ``RssFile``: code paged in), or, where that cannot
-    be reset, ``'saved_tensors'`` (:func:`track_activation_memory`).
+    ``RssFile``: code paged in), or, where that cannot be reset,
+    ``'saved_tensors'`` (:func:`track_activation_memory`).
 
     Parameters
     ----------
@@ -266,7 +267,7 @@ class PeakMemory:
             self.method = 'cuda'
         else:
             self.method = 'rss' if _reset_rss_peak() else 'saved_tensors'
-        self._saved = None
+        self._saved, self.windows = None, 0
         self.baseline = self._start = self._current()
         self._file_baseline = self._file_start = self._file_pages()
         self._held_baseline = self._current(held=True)
@@ -303,6 +304,7 @@ class PeakMemory:
     @contextlib.contextmanager
     def window(self):
         """Measure the block: :meth:`peak` is the peak inside it."""
+        self.windows += 1
         self.reset()
         if self.method != 'saved_tensors':
             yield self
@@ -491,11 +493,15 @@ def plan_memory(net, group, buffers, **fit_params):
             cost_t = engine.min_over_ranks(
                 _NO_LIMIT if cost_t is None else cost_t)
             grown = max(1, min(rows, int(cost_t / per_row + 1e-9)))
+            if grown < planned:  # the try took more than the passes said
+                planned, max_cost = grown, cost_t
             # once, and only for a tenth more: each try costs a pass
-            if grown > 1.1 * planned and _try(
+            elif grown > 1.1 * planned and _try(
                     net, engine, meter, first, grown, reserve, buffers,
                     **fit_params) is not None:
-                planned, max_cost = grown, cost_t
+                # no more than the try passed where it took whole batches
+                planned, max_cost = grown, (cost_t if grown < rows
+                                            else math.ceil(grown * per_row))
     predicted = int(fixed + slope * planned * per_row)
     net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
@@ -510,6 +516,7 @@ def plan_memory(net, group, buffers, **fit_params):
         'plan_seconds': time.perf_counter() - start,
         'method': meter.method,
         'trials': [(cost_1, peak_1), (cost_2, peak_2)],
+        'passes': meter.windows,
     }
     row = net._current_batch_row()
     if row is not None:

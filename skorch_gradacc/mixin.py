@@ -139,9 +139,10 @@ class GradAccMixin:
       steps and updates once per group.
 
     check_loss : bool (default=True)
-      Check once per fit, with three extra forward passes of one micro-batch
-      (and its halves) and no side effect, that the loss is a mean over what
-      :meth:`count_loss_items` counts; else warn with a
+      Check once in a fit from scratch that trains in groups (not at
+      ``acc_steps=1`` without options), with three extra forward passes of
+      one micro-batch (and its halves) and no side effect, that the loss is
+      a mean over what :meth:`count_loss_items` counts; else warn with a
       :class:`~skorch_gradacc.LossItemsWarning`. Undecided (a loss that is
       not finite, no items), it tries the next micro-batch: 3 at most.
 
@@ -155,7 +156,8 @@ class GradAccMixin:
       With ``micro_batch_size='auto'``, the plan made before the first
       step: ``'budget'``, ``'micro_batch_size'``, ``'max_cost'`` (of a
       piece, in ``'unit'``), ``'predicted_peak'``, ``'measured_peak'``
-      (bytes, over the first step), ``'plan_seconds'`` and the fit's terms.
+      (bytes, over the first step), ``'plan_seconds'``, ``'passes'`` (its
+      forward and backward passes) and the fit's terms.
 
     grad_scaler_ : torch.amp.GradScaler or None
       The GradScaler of ``mixed_precision='fp16'``.

@@ -177,9 +177,10 @@ class TestPlan:
             *clf_data)
         planned = auto.memory_plan_['micro_batch_size']
         passes = auto.module_.passes_
-        plan = 2 + 2 * PLAN_REPEATS
+        # a warm-up, the measured passes, the try, and perhaps a larger try
+        plan = auto.memory_plan_['passes']
+        assert plan in (2 + 2 * PLAN_REPEATS, 3 + 2 * PLAN_REPEATS)
         assert all(training for training, _ in passes[:plan])
-        assert passes[plan - 1] == (True, planned)  # the plan's try
         assert [rows for _, rows in passes[plan:plan + 3]] == [
             planned, planned - planned // 2, planned // 2]
         assert not any(training for training, _ in passes[plan:plan + 3])
@@ -258,7 +259,7 @@ def test_long_sequences_are_split_into_more_pieces():
     assert plan['unit'] == 'elements'
     # the plan's passes on the first batch (32 tokens long), then the
     # pieces of each batch: each at most the planned tokens
-    shapes = acc_net.module_.shapes_[2 + 2 * PLAN_REPEATS:]
+    shapes = acc_net.module_.shapes_[plan['passes']:]
     assert all(rows == 1 or rows * length <= plan['max_cost']
                for rows, length in shapes), plan
     first_epoch = shapes[:len(shapes) // 2]
