@@ -443,22 +443,13 @@ def test_trains_under_a_cap_where_the_large_batch_fails(tmp_path):
 def test_plan_on_cuda_under_a_memory_fraction(clf_data):
     # 128 MiB of activations per 1000 rows, under a cap of 1 GiB that the
     # default budget reads: the plan splits 4000 rows, and no pass fails
-    from test_micro_batch_size import WideMLP
+    from test_micro_batch_size import WideMLP, fit_auto_under_one_gib
 
     X = np.repeat(clf_data[0], 20, axis=0)[:4000]
     y = np.repeat(clf_data[1], 20)[:4000]
     kwargs = dict(batch_size=4000, max_epochs=2, train_split=None, verbose=0,
                   device='cuda', lr=0.1)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(2 ** 30 / total)
-    try:
-        torch.manual_seed(0)
-        net = GradAccNeuralNetClassifier(WideMLP, micro_batch_size='auto',
-                                         **kwargs).fit(X, y)
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
+    net = fit_auto_under_one_gib(X, y, **kwargs)
     plan = net.memory_plan_
     assert plan['method'] == 'cuda' and plan['budget'] <= 2 ** 30
     assert 1 < plan['micro_batch_size'] < 4000

@@ -195,6 +195,21 @@ class WideMLP(torch.nn.Module):
                              dim=-1)
 
 
+def fit_auto_under_one_gib(X, y, **kwargs):
+    """A WideMLP fit with ``micro_batch_size='auto'``, this process's CUDA
+    memory capped at 1 GiB meanwhile."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(2 ** 30 / total)
+    try:
+        torch.manual_seed(0)
+        return GradAccNeuralNetClassifier(WideMLP, micro_batch_size='auto',
+                                          **kwargs).fit(X, y)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_auto_backs_off_on_real_cuda_memory(clf_data):
@@ -203,16 +218,7 @@ def test_auto_backs_off_on_real_cuda_memory(clf_data):
     y = np.repeat(y, 20)[:4000]
     kwargs = dict(batch_size=4000, max_epochs=1, train_split=None, verbose=0,
                   device='cuda', lr=0.1)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(2 ** 30 / total)  # 1 GiB
-    try:
-        torch.manual_seed(0)
-        net = GradAccNeuralNetClassifier(WideMLP, micro_batch_size='auto',
-                                         **kwargs).fit(X, y)
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
+    net = fit_auto_under_one_gib(X, y, **kwargs)
     assert net.micro_batch_size_ is not None and net.micro_batch_size_ < 4000
     torch.manual_seed(0)
     plain = NeuralNetClassifier(WideMLP, **kwargs).fit(X, y)
