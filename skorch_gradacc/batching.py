@@ -52,6 +52,26 @@ def split_batch(batch, micro_batch_size):
     return micro_batches
 
 
+def arrays_in(data):
+    """Yield the tensors and arrays of ``data``, or of its dicts and sequences.
+
+    Examples
+    --------
+    >>> import torch
+    >>> [len(x) for x in arrays_in(({'ids': torch.ones(3), 'n': 2}, [np.ones(4)]))]
+    [3, 4]
+
+    """
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        yield data
+    elif isinstance(data, dict):
+        for value in data.values():
+            yield from arrays_in(value)
+    elif isinstance(data, (tuple, list)):
+        for value in data:
+            yield from arrays_in(value)
+
+
 def zero_rows(batch):
     """Return a batch of the same structure and trailing shapes, with 0 rows.
 

@@ -91,6 +91,25 @@ class Engine:
         """Return the context of a backward; ``syncs``: the rank's last."""
         return contextlib.nullcontext()
 
+    def plan_context(self):
+        """Return the context of a memory plan's pass: a later piece's."""
+        return self.context(False)
+
+    def plan_gradient_bytes(self, params):
+        """Return the gradient bytes a step holds while a later piece runs.
+
+        Here ``.grad``'s, which the plan's passes hold (zeros).
+        """
+        return sum(param.grad.nelement() * param.grad.element_size()
+                   for param in params if param.grad is not None)
+
+    def join_plan_pass(self, run_empty_pass, piece):
+        """Run the collectives of a plan's pass that failed on this rank.
+
+        ``run_empty_pass(piece)`` runs a zero-row pass of ``piece``'s
+        structure. Here, and in DDP's passes (``no_sync()``), there are none.
+        """
+
     def set_count_unit(self, count_unit):
         """Say, before the last backward, what ``.grad`` is in units of.
 

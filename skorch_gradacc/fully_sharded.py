@@ -234,6 +234,35 @@ class FullyShardedEngine(DataParallelEngine):
         self.module.set_requires_gradient_sync(syncs)
         return contextlib.nullcontext()
 
+    def plan_context(self):
+        """Reduce-scatter in a plan's pass: it leaves no unsharded gradient.
+
+        :meth:`plan_gradient_bytes` counts the one a step holds.
+        """
+        self.module.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+
+    def plan_gradient_bytes(self, params):
+        """Return the gradient bytes a step holds while a later piece runs.
+
+        FSDP2 accumulates each parameter's unsharded gradient until the
+        step's reduce-scatter: the whole parameters' bytes (a DTensor's
+        ``numel()``) in the sharded dtype, more than a lower ``param_dtype``
+        takes; with ``sync_each_batch``, this rank's shard of ``.grad``.
+        """
+        if self.sync_each_batch:
+            grads = [param.grad.to_local() for param in params
+                     if param.grad is not None]
+            return sum(grad.nelement() * grad.element_size() for grad in grads)
+        return sum(param.numel() * param.element_size() for param in params)
+
+    def join_plan_pass(self, run_empty_pass, piece):
+        """Run a zero-row pass for the plan's pass that failed on this rank.
+
+        It all-gathers and reduce-scatters with the other ranks' pass.
+        """
+        run_empty_pass(zero_rows(piece))
+
     def after_error(self, run_empty_pass, size):
         """Run a zero-row pass for the failed one, and tell the other ranks.
 

@@ -10,6 +10,7 @@ docs' memory page says what is measured and where a plan can be wrong.
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import math
 import re
 import resource
@@ -18,7 +19,12 @@ import time
 import numpy as np
 import torch
 
-from skorch_gradacc.batching import batch_len, is_positive_int, split_batch
+from skorch_gradacc.batching import (
+    arrays_in,
+    batch_len,
+    is_positive_int,
+    split_batch,
+)
 from skorch_gradacc.counting import restore_buffers
 
 __all__ = ['ActivationMemory', 'PeakMemory', 'available_memory', 'batch_cost',
@@ -365,19 +371,8 @@ def batch_cost(batch):
 
     """
     X = batch[0] if isinstance(batch, (tuple, list)) else batch
-    sizes = list(_numels(X))
+    sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in arrays_in(X)]
     return max(sizes) if sizes else None
-
-
-def _numels(data):
-    if isinstance(data, (torch.Tensor, np.ndarray)):
-        yield int(np.prod(data.shape, dtype=np.int64))
-    elif isinstance(data, dict):
-        for value in data.values():
-            yield from _numels(value)
-    elif isinstance(data, (tuple, list)):
-        for value in data:
-            yield from _numels(value)
 
 
 def _cost_per_row(batch):
@@ -386,16 +381,17 @@ def _cost_per_row(batch):
 
 
 def _nbytes(data):
-    """Return the bytes of the tensors and arrays in ``data``."""
-    if isinstance(data, torch.Tensor):
-        return data.nelement() * data.element_size()
-    if isinstance(data, np.ndarray):
-        return data.nbytes
-    if isinstance(data, dict):
-        return sum(_nbytes(value) for value in data.values())
-    if isinstance(data, (tuple, list)):
-        return sum(_nbytes(value) for value in data)
-    return 0
+    """Return the bytes of the tensors and arrays in ``data``.
+
+    Of a DTensor, this rank's shard.
+    """
+    total = 0
+    for array in arrays_in(data):
+        if hasattr(array, 'to_local'):  # a DTensor
+            array = array.to_local()
+        total += array.nbytes if isinstance(array, np.ndarray) else (
+            array.nelement() * array.element_size())
+    return total
 
 
 def split_micro_batch(net, micro, group):
@@ -434,11 +430,9 @@ def plan_memory(net, group, buffers, **fit_params):
     ``net.memory_plan_``. The passes leave no gradient, buffer
     (``buffers``, restored) or random state changed.
 
-    Skipped with FSDP2, and until a first micro-batch of 2 rows or more.
+    Skipped until a first micro-batch of 2 rows or more.
     """
     engine = net.get_engine()
-    if not engine.may_skip(False):  # FSDP2: its passes gather parameters
-        return
     start = time.perf_counter()
     first = next(iter(group.micro_batches()), None)  # the group keeps it
     rows = 0 if first is None else batch_len(first)
@@ -477,31 +471,16 @@ def plan_memory(net, group, buffers, **fit_params):
         # beside the state and what is kept, half the margin: the try shows
         # its pass, not what a cap counts of later steps (address space)
         reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
-        tried, peak = _verify(net, engine, meter, first, planned, reserve,
-                              buffers, **fit_params)
+        tried, peak, failed = _verify(net, engine, meter, first, planned,
+                                      reserve, buffers, **fit_params)
         if tried < planned:
             planned, max_cost = tried, math.ceil(tried * per_row)
         if planned * per_row > cost_1:
-            # the line through the try and the smaller pass: the peak of a
-            # small pass falls where a gradient is added, of a large one
-            # where the activations are largest, so two small passes can
-            # overstate what the plan's size takes
-            slope_t = max(0.0, (peak - peak_1) / (planned * per_row - cost_1))
-            fixed += (max(0.0, peak_1 - slope_t * cost_1)
-                      - max(0.0, peak_1 - slope * cost_1))
-            slope, cost_t = slope_t, largest_cost(budget, fixed, slope_t)
-            cost_t = engine.min_over_ranks(
-                _NO_LIMIT if cost_t is None else cost_t)
-            grown = max(1, min(rows, int(cost_t / per_row + 1e-9)))
-            if grown < planned:  # the try took more than the passes said
-                planned, max_cost = grown, cost_t
-            # once, and only for a tenth more: each try costs a pass
-            elif grown > 1.1 * planned and _try(
-                    net, engine, meter, first, grown, reserve, buffers,
-                    **fit_params) is not None:
-                # no more than the try passed where it took whole batches
-                planned, max_cost = grown, (cost_t if grown < rows
-                                            else math.ceil(grown * per_row))
+            line = (cost_1, peak_1, planned * per_row, peak)
+            planned, max_cost, fixed, slope = _refine(
+                net, engine, meter, first, line, budget, fixed, slope,
+                planned, max_cost, failed, reserve, buffers,
+                **fit_params)
     predicted = int(fixed + slope * planned * per_row)
     net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
@@ -523,6 +502,39 @@ def plan_memory(net, group, buffers, **fit_params):
         row['memory_plan_predicted'] = predicted
     meter.reset()  # the first step's peak, above the same baseline
     net._memory_meter_ = meter
+
+
+def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
+            max_cost, failed, reserve, buffers, **fit_params):
+    """Return the plan on the line through the try and the smaller pass.
+
+    The peak of a small pass falls where a gradient is added, of a large
+    one where the activations are largest, so two small passes can
+    overstate what the plan's size takes. ``line``: ``(cost_1, peak_1,
+    cost_t, peak_t)``. The plan shrinks if the try took more than the passes
+    said, and grows with one more try if the line lets through a tenth more,
+    less than the rows whose try ``failed``. Returns ``(planned, max_cost,
+    fixed, slope)``.
+    """
+    rows, per_row = batch_len(first), _cost_per_row(first)
+    cost_1, peak_1, cost_t, peak_t = line
+    slope_t = max(0.0, (peak_t - peak_1) / (cost_t - cost_1))
+    fixed += (max(0.0, peak_1 - slope_t * cost_1)
+              - max(0.0, peak_1 - slope * cost_1))
+    cost = largest_cost(budget, fixed, slope_t)
+    cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
+    grown = max(1, min(rows, int(cost / per_row + 1e-9)))
+    if failed is not None:
+        grown = min(grown, failed - 1)
+    if grown < planned:  # the try took more than the passes said
+        return grown, cost, fixed, slope_t
+    # once, and only for a tenth more: each try costs a pass
+    if grown > 1.1 * planned and _try(net, engine, meter, first, grown,
+                                      reserve, buffers, **fit_params) is not None:
+        # no more than the try passed where it took whole batches
+        return grown, (cost if grown < rows else math.ceil(
+            grown * per_row)), fixed, slope_t
+    return planned, max_cost, fixed, slope_t
 
 
 def largest_cost(budget, fixed, slope):
@@ -572,26 +584,31 @@ def _device_of(net):
 def _passes(net, engine, pieces, buffers, reserve=0, **fit_params):
     """Run ``_trial`` on each ``(piece, meter)``; None for a failed one.
 
-    The same passes on every rank (DDP's forward may broadcast): a failure
-    on one rank stops all of them.
+    The same passes on every rank (DDP's forward may broadcast, FSDP2's
+    gathers): a rank whose pass fails joins the others' collectives
+    (``join_plan_pass``), and all of them stop.
     """
     results = []
     for piece, meter in pieces:
-        failed = False
+        result, held = None, None
         try:
             # the optimizer state and what is kept, as in the step (an
             # untouched block, which the address space counts)
             held = torch.empty(reserve, dtype=torch.uint8,
                                device=_device_of(net)) if reserve else None
-            results.append(_trial(net, engine, meter, piece, **fit_params))
-            del held
+            result = _trial(net, engine, meter, piece, **fit_params)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            failed = True
-        if not engine.all_ranks(not failed):
-            results.append(None)
+        del held
+        # outside the except block, whose traceback holds the pass's tensors
+        if result is None:
+            engine.join_plan_pass(functools.partial(
+                _trial, net, engine, meter, **fit_params), piece)
+        if not engine.all_ranks(result is not None):
+            results.append(None)  # on every rank
             break
+        results.append(result)
     net._zero_grad_optimizer()
     restore_buffers(buffers or ())
     return results
@@ -621,22 +638,24 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
 
 def _verify(net, engine, meter, first, planned, reserve, buffers,
             **fit_params):
-    """Return the planned rows, less a quarter while a pass fails; its peak.
+    """Return the rows of a try that passed, its peak, the last that failed.
 
-    Where the budget is the device's or a hard limit's, the measured peak
+    From the planned rows, less a quarter while a try fails (None: none
+    failed). Where the budget is the device's or a hard limit's, the measured peak
     can miss what a cap counts (the CPU's address space grows more than its
     resident memory): one pass at the plan, beside ``reserve`` bytes,
     settles it.
     """
+    failed = None
     while True:
         peak = _try(net, engine, meter, first, planned, reserve, buffers,
                     **fit_params)
         if peak is not None:
-            return planned, peak
+            return planned, peak, failed
         if planned == 1:
             raise RuntimeError(_ONE_ROW)
         # a try that fails was close: smaller steps than the back-off's
-        planned = min(planned - 1, planned * 3 // 4)
+        failed, planned = planned, min(planned - 1, planned * 3 // 4)
 
 
 def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
@@ -661,11 +680,10 @@ def _trial(net, engine, meter, piece, **fit_params):
     for param in params:
         param.grad = torch.zeros_like(param)
     with meter.window():
-        with engine.context(False), net.autocast():
+        with engine.plan_context(), net.autocast():
             step = net.train_step_single(piece, **fit_params)
-        # the gradients held before the window, and in it
-        peak = meter.peak(start=True) + sum(_nbytes(param.grad)
-                                            for param in params)
+        # with the gradients the step holds before the window
+        peak = meter.peak(start=True) + engine.plan_gradient_bytes(params)
     return (batch_len(piece), peak,
             _nbytes(step.get('y_pred') if isinstance(step, dict) else None))
 

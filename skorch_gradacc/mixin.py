@@ -21,6 +21,7 @@ from skorch.utils import TeeGenerator
 from torch.utils.data import DistributedSampler
 
 from skorch_gradacc.batching import (
+    arrays_in,
     batch_len,
     check_positive_int,
     concat_outputs,
@@ -948,7 +949,8 @@ def _weighted(loss, y_pred, weight, scaler):
     if isinstance(weight, torch.Tensor):
         weighted = base * weight.to(base)
     elif weight == 0:
-        weighted = sum(0 * out.sum() for out in _tensors(y_pred))
+        weighted = sum(0 * out.sum() for out in arrays_in(y_pred)
+                       if isinstance(out, torch.Tensor))
     else:
         weighted = base if weight in (None, 1) else base * weight
     if scaler is not None:
@@ -957,18 +959,6 @@ def _weighted(loss, y_pred, weight, scaler):
         return loss  # nothing to weight or scale
     # the value of the loss, the gradient of the weighted one
     return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
-
-
-def _tensors(output):
-    """Yield the tensors of a module output (a tensor or a nest of them)."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, dict):
-        for value in output.values():
-            yield from _tensors(value)
-    elif isinstance(output, (tuple, list)):
-        for value in output:
-            yield from _tensors(value)
 
 
 def _is_float(value):

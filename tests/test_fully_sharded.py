@@ -27,6 +27,7 @@ from skorch_gradacc import (
     GradAccNeuralNetClassifier,
 )
 from skorch_gradacc.fully_sharded import units_of
+from skorch_gradacc.memory import PLAN_REPEATS
 
 from conftest import DTYPE, PARAM_ATOL, classification_data
 
@@ -55,7 +56,8 @@ WORLD_SIZE = 2
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
-             'resume', 'micro', 'auto', 'iterable', 'skip', 'masked',
+             'resume', 'micro', 'auto', 'plan', 'plan_fails', 'iterable',
+             'skip', 'masked',
              'sampler', 'fp16_tokens', 'fp16_spike']
 LAUNCH_LIMIT = 480
 
@@ -251,12 +253,14 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(fsdp, oracle):
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
-@pytest.mark.parametrize('scenario', ['micro', 'auto', 'iterable'])
+@pytest.mark.parametrize('scenario', ['micro', 'auto', 'plan', 'plan_fails',
+                                      'iterable'])
 def test_options_match_single_process(fsdp, oracle, scenario):
     # micro_batch_size=3: 3 passes for a micro-batch of 8 rows, 1 for the
     # last of 3 and for a zero-row one; 'auto' where only rank 1 runs out
-    # of memory above 4 rows: both ranks back off and replay; an iterator
-    # of micro-batches without a length
+    # of memory above 4 rows after the plan: both ranks back off and
+    # replay; 'plan' and 'plan_fails': planned pieces; an iterator of
+    # micro-batches without a length
     ranks = fsdp.ranks(scenario)
     out = fsdp.folder(scenario)
     net = oracle
@@ -266,6 +270,38 @@ def test_options_match_single_process(fsdp, oracle, scenario):
         for rank in ranks:
             assert rank['micro_batch_size_'] == 4
             assert rank['backoffs'] == [[4]] + [None] * 9
+            # the plan's passes of 1 and 2 rows and its try of 8, which
+            # rank 1 lets through (the plan was wrong), then the back-off
+            plan = 2 + 2 * PLAN_REPEATS
+            assert rank['forward_rows'][:plan] == [1] + [1, 2] * PLAN_REPEATS + [8]
+            assert rank['memory_plan_']['micro_batch_size'] == 8
+        # rank 1 fails at 8 rows and joins rank 0's pass with zero rows; at
+        # the next pass both learn of it, and the zero-row pass that gives
+        # up the attempt's gradient reduce-scatters it
+        assert ranks[0]['forward_rows'][plan:plan + 4] == [8, 0, 4, 4]
+        assert ranks[1]['forward_rows'][plan:plan + 5] == [8, 0, 0, 4, 4]
+    if scenario == 'plan':
+        # only rank 1 has a budget (of 1 byte): rank 0 takes its plan of
+        # pieces of 1 row too, and records it; no back-off
+        for rank in ranks:
+            assert rank['memory_plan_']['max_cost'] == 0
+            assert rank['memory_plan_']['micro_batch_size'] == 1
+            assert rank['micro_batch_size_'] == 1
+            assert rank['backoffs'] == [None] * 10
+        assert [rank['memory_plan_']['budget'] for rank in ranks][1] == 1
+    if scenario == 'plan_fails':
+        # rank 1's try of 8 rows fails: a zero-row pass joins rank 0's, and
+        # every rank tries 6 (fails), 4 (passes), and, as the line through
+        # it lets more through, 5 (fails); no back-off in training
+        passes = [1] + [1, 2] * PLAN_REPEATS
+        assert ranks[0]['forward_rows'][:len(passes) + 5] == (
+            passes + [8, 6, 4, 5, 4])
+        assert ranks[1]['forward_rows'][:len(passes) + 8] == (
+            passes + [8, 0, 6, 0, 4, 5, 0, 4])
+        for rank in ranks:
+            assert rank['memory_plan_']['micro_batch_size'] == 4
+            assert rank['micro_batch_size_'] == 4
+            assert rank['backoffs'] == [None] * 10
     if scenario == 'micro':
         # what get_loss recorded per piece is merged as the loss is: the
         # mean over the rank's pieces, weighted by their rows

@@ -19,7 +19,11 @@ after another, see worker_common.py)
 * ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
   take different numbers of passes in the last step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
-  module runs out of memory above 4 rows;
+  module runs out of memory above 4 rows, after the plan's passes;
+* ``plan``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1
+  has a budget, of 1 byte: every rank plans pieces of 1 row;
+* ``plan_fails``: ``plan`` without budgets, where only rank 1's module
+  runs out of memory above 4 rows: the plan's try of 8 rows fails there;
 * ``skip``: ``samples`` with ``skip_nonfinite=True``, where one step's
   gradient is infinite in rank 1's shard only;
 * ``iterable``: ``samples`` from an ``IterableDataset`` of micro-batches,
@@ -54,6 +58,7 @@ from test_normalization import IGNORE, TokenTagger, token_data
 
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
+from skorch_gradacc.memory import PLAN_REPEATS
 
 from conftest import DTYPE, classification_data
 
@@ -72,14 +77,18 @@ def sequential_classifier():
 
 class CappedClassifier(torch.nn.Sequential):
     """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
-    that cannot hold more, before any collective of the forward pass."""
+    that cannot hold more, before any collective of the forward pass, after
+    its first ``fails_from`` passes; ``rows_``: the rows of each pass."""
 
-    def __init__(self, max_rows=1000):
+    def __init__(self, max_rows=1000, fails_from=0):
         super().__init__(*sequential_classifier())
-        self.max_rows = max_rows
+        self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
+        self.rows_ = []
 
     def forward(self, X):
-        if len(X) > self.max_rows:
+        self.calls_ += 1
+        self.rows_.append(len(X))
+        if len(X) > self.max_rows and self.calls_ > self.fails_from:
             raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
@@ -227,10 +236,17 @@ def make_net(scenario, max_epochs=2, X=None):
     module = sequential_classifier
     if scenario == 'micro':
         common['micro_batch_size'] = 3
-    if scenario == 'auto':
+    if scenario in ('auto', 'plan_fails'):
         module = CappedClassifier
         common['micro_batch_size'] = 'auto'
         common['module__max_rows'] = 4 if dist.get_rank() == 1 else 1000
+        # 'auto': after the plan's passes (their last, at 8 rows, fits): a
+        # plan that was wrong
+        common['module__fails_from'] = (2 + 2 * PLAN_REPEATS
+                                        if scenario == 'auto' else 0)
+    if scenario == 'plan':
+        common['micro_batch_size'] = 'auto'
+        common['memory_budget'] = 1 if dist.get_rank() == 1 else None
     if scenario in ('skip', 'fp16_spike'):
         module = SpikyClassifier
         common['skip_nonfinite'] = scenario == 'skip'
@@ -327,6 +343,8 @@ def run(scenario, out_dir):
                      for epoch in net.history[:, 'batches']
                      for row in epoch],
         'micro_batch_size_': net.micro_batch_size_,
+        'memory_plan_': getattr(net, 'memory_plan_', None),
+        'forward_rows': getattr(net.module_, 'rows_', None),
         'scale': net.grad_scaler_ and net.grad_scaler_.get_scale(),
         'piece_losses': getattr(net, 'piece_losses_', None),
         'merged_losses': [row.get('piece_loss')
