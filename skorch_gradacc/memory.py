@@ -426,8 +426,9 @@ def plan_memory(net, group, buffers, **fit_params):
     callbacks keep. The plan, the largest cost that fits the budget (at
     most what ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over
     ranks, is then tried in one pass beside a stand-in of that state, and
-    cut to three quarters while the pass fails to allocate. It goes to
-    ``net.memory_plan_``. The passes leave no gradient, buffer
+    cut to three quarters while the pass fails to allocate; the line through
+    the try may shrink it, or grow it with one more try (:func:`_refine`).
+    It goes to ``net.memory_plan_``. The passes leave no gradient, buffer
     (``buffers``, restored) or random state changed.
 
     Skipped until a first micro-batch of 2 rows or more.
@@ -512,37 +513,40 @@ def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
     one where the activations are largest, so two small passes can
     overstate what the plan's size takes. ``line``: ``(cost_1, peak_1,
     cost_t, peak_t)``. The plan shrinks if the try took more than the passes
-    said, and grows with one more try if the line lets through a tenth more,
-    less than the rows whose try ``failed``. Returns ``(planned, max_cost,
-    fixed, slope)``.
+    said. It grows with one more try if the line lets through fewer pieces
+    of the micro-batch, with half the margin (a try measures what the margin
+    is for), and less than the rows whose try ``failed``. Returns
+    ``(planned, max_cost, fixed, slope)``.
     """
     rows, per_row = batch_len(first), _cost_per_row(first)
     cost_1, peak_1, cost_t, peak_t = line
     slope_t = max(0.0, (peak_t - peak_1) / (cost_t - cost_1))
     fixed += (max(0.0, peak_1 - slope_t * cost_1)
               - max(0.0, peak_1 - slope * cost_1))
-    cost = largest_cost(budget, fixed, slope_t)
+    cost = largest_cost(budget, fixed, slope_t, margin=PLAN_MARGIN / 2)
     cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
     grown = max(1, min(rows, int(cost / per_row + 1e-9)))
     if failed is not None:
         grown = min(grown, failed - 1)
     if grown < planned:  # the try took more than the passes said
         return grown, cost, fixed, slope_t
-    # once, and only for a tenth more: each try costs a pass
-    if grown > 1.1 * planned and _try(net, engine, meter, first, grown,
-                                      reserve, buffers, **fit_params) is not None:
+    # once, and only where it saves a pass: each try costs one
+    if -(-rows // grown) < -(-rows // planned) and _try(
+            net, engine, meter, first, grown, reserve, buffers,
+            **fit_params) is not None:
         # no more than the try passed where it took whole batches
         return grown, (cost if grown < rows else math.ceil(
             grown * per_row)), fixed, slope_t
     return planned, max_cost, fixed, slope_t
 
 
-def largest_cost(budget, fixed, slope):
+def largest_cost(budget, fixed, slope, margin=PLAN_MARGIN):
     """Return the largest cost per piece that the plan lets through.
 
     The largest whole ``cost`` with ``fixed + slope * cost`` at most
-    ``budget`` less ``PLAN_MARGIN`` (10%): 0 if ``fixed`` alone is more, None
-    where nothing limits it (no budget, or no slope).
+    ``budget`` less ``margin`` (by default :data:`PLAN_MARGIN`, 10%): 0 if
+    ``fixed`` alone is more, None where nothing limits it (no budget, or no
+    slope).
 
     Examples
     --------
@@ -552,7 +556,7 @@ def largest_cost(budget, fixed, slope):
     """
     if budget is None:
         return None
-    left = budget * (1 - PLAN_MARGIN) - fixed
+    left = budget * (1 - margin) - fixed
     if left <= 0:
         return 0
     return None if slope <= 0 else int(left / slope)

@@ -135,12 +135,24 @@ class TestAutoMicroBatchSize:
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert acc_net.module_.rows_[:10] == [2, 2, 4, 2, 4, 32, 24, 18, 13, 9]
+        # then the line through the try (no budget: no limit) lets up to 12
+        # rows through, 3 pieces of the 32 rather than 4: tried, and fails
+        assert acc_net.module_.rows_[10:12] == [12, 9]
         assert acc_net.memory_plan_['micro_batch_size'] == 9
         assert acc_net.memory_plan_['max_cost'] == 9 * 10  # 10 features
         assert acc_net.micro_batch_size_ == 9
         assert not any('micro_batch_size_backoff' in row for epoch in
                        acc_net.history for row in epoch['batches'])
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
+    def test_plan_grows_only_where_it_saves_a_pass(self, clf_data):
+        # 32 and 24 rows fail, 18 fit; 23 would take two pieces of the 32
+        # rows too: not tried; the loss check and training follow at 18
+        acc_net, _ = micro_nets('auto', module__max_rows=20)
+        fit_seeded(acc_net, *clf_data)
+        assert acc_net.module_.rows_[:9] == [2, 2, 4, 2, 4, 32, 24, 18, 18]
+        assert max(acc_net.module_.rows_[8:]) == 18
+        assert acc_net.memory_plan_['micro_batch_size'] == 18
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1,
