@@ -472,8 +472,9 @@ def plan_memory(net, group, buffers, **fit_params):
         # beside the state and what is kept, half the margin: the try shows
         # its pass, not what a cap counts of later steps (address space)
         reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
-        tried, peak, failed = _verify(net, engine, meter, first, planned,
-                                      reserve, buffers, **fit_params)
+        tried, peak, failed = _verify(
+            net, engine, meter, first, planned, reserve, buffers,
+            ran=[size for size, _ in trials], **fit_params)
         if tried < planned:
             planned, max_cost = tried, math.ceil(tried * per_row)
         if planned * per_row > cost_1:
@@ -640,15 +641,16 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
         sizes = [max(1, sizes[0] // 2), max(2, sizes[1] // 2)]
 
 
-def _verify(net, engine, meter, first, planned, reserve, buffers,
+def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
             **fit_params):
     """Return the rows of a try that passed, its peak, the last that failed.
 
     From the planned rows, less a quarter while a try fails (None: none
-    failed). Where the budget is the device's or a hard limit's, the measured peak
-    can miss what a cap counts (the CPU's address space grows more than its
-    resident memory): one pass at the plan, beside ``reserve`` bytes,
-    settles it.
+    failed), or the most rows below it of a pass that ran (``ran``), if
+    more. Where the budget is the device's or a hard limit's, the measured
+    peak can miss what a cap counts (the CPU's address space grows more
+    than its resident memory): one pass at the plan, beside ``reserve``
+    bytes, settles it.
     """
     failed = None
     while True:
@@ -658,8 +660,10 @@ def _verify(net, engine, meter, first, planned, reserve, buffers,
             return planned, peak, failed
         if planned == 1:
             raise RuntimeError(_ONE_ROW)
-        # a try that fails was close: smaller steps than the back-off's
-        failed, planned = planned, min(planned - 1, planned * 3 // 4)
+        # a try that fails was close: smaller steps than the back-off's; a
+        # shape that ran maps no more (oneDNN compiles code for each new one)
+        failed, planned = planned, max([min(planned - 1, planned * 3 // 4)] + [
+            size for size in ran if size < planned])
 
 
 def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):

@@ -145,6 +145,18 @@ class TestAutoMicroBatchSize:
                        acc_net.history for row in epoch['batches'])
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
+    def test_plan_steps_down_to_a_size_its_passes_ran(self, clf_data):
+        # batches of 40: passes on 2 and 5 rows; the tries step down by
+        # quarters from 40 to 6, and then to 5 rows, not 4: its shape ran
+        acc_net, plain_net = micro_nets('auto', batch_size=40,
+                                        module__max_rows=5)
+        plain_net.set_params(module__max_rows=1000)
+        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+        assert acc_net.module_.rows_[:13] == [
+            2, 2, 5, 2, 5, 40, 30, 22, 16, 12, 9, 6, 5]
+        assert acc_net.memory_plan_['micro_batch_size'] == 5
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
     def test_plan_grows_only_where_it_saves_a_pass(self, clf_data):
         # 32 and 24 rows fail, 18 fit; 23 would take two pieces of the 32
         # rows too: not tried; the loss check and training follow at 18
