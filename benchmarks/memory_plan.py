@@ -215,10 +215,12 @@ def targets(results):
     """The issue's targets: text, what was measured, whether it was met."""
     fits = [fit for entry in results['workloads'].values()
             for fit in entry['budgets'].values()]
-    # a fit that failed before its plan or its end has no ratio of one
+    # a fit that failed before its plan or its end has no ratio of one; one
+    # that failed where a size fits chose none of it
     ratio, chosen, steps = ([fit[key] for fit in fits if fit[key]] or [0.0] for key
                             in ('predicted_vs_measured', 'chosen_vs_largest',
                                 'plan_steps'))
+    chosen += [0.0 for fit in fits if fit['error'] and fit['largest']]
     # where no micro-batch fits, the clean outcome is the plan's error
     clean, target = [not fit['backoffs'] and (not fit['error'] or (
         fit['largest'] == 0 and 'fit in memory' in fit['error']))
