@@ -220,3 +220,34 @@ def pytest_collection_modifyitems(config, items):
         module = getattr(item, 'module', None)
         if module is not None and module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    # skorch's suite runs in processes of their own, started when the
+    # collection ends (pytest_collection_finish) beside the rest of the
+    # suite; its tests, which wait for them, run last
+    items.sort(key=lambda item: _module_name(item) == 'test_skorch_suite')
+
+
+def _module_name(item):
+    module = getattr(item, 'module', None)
+    return module and module.__name__
+
+
+# the module test_skorch_suite, if its tests run: its jobs are under way
+_SKORCH_SUITE = []
+
+
+def pytest_collection_finish(session):
+    items = [item for item in session.items
+             if _module_name(item) == 'test_skorch_suite']
+    if items and not session.config.option.collectonly:
+        _SKORCH_SUITE.append(items[0].module)
+        items[0].module.start_jobs(items)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    for module in _SKORCH_SUITE:  # start the next job if one has ended
+        module.start_jobs([]).poll()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for module in _SKORCH_SUITE:  # after an interruption, say
+        module.start_jobs([]).stop()
