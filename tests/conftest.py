@@ -177,25 +177,41 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
 
 # FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
 # import): below it, the modules that import it are not collected, so that
-# the quick suite runs at the floors (requirements/floor.txt).
-try:
-    import skorch_gradacc.fully_sharded  # noqa: F401
-    HAS_FSDP2 = True
-except ImportError:
-    HAS_FSDP2 = False
+# the quick suite runs at the floors (requirements/floor.txt). Asked only by
+# pytest, not when this module is imported: the torchrun ranks of the DDP
+# tests import it for its helpers, and the import of fully_sharded took a
+# third of their start-up.
 NEEDS_FSDP2 = [
     'test_fully_sharded.py', 'test_sharded_evaluation.py',
     'torchrun_scripts/checkpoint_worker.py',
     'torchrun_scripts/dropout_worker.py', 'torchrun_scripts/eval_worker.py',
     'torchrun_scripts/fsdp_worker.py',
 ]
-collect_ignore = [] if HAS_FSDP2 else NEEDS_FSDP2
+collect_ignore = []  # NEEDS_FSDP2 below torch 2.8 (pytest_configure)
+
+
+def has_fsdp2():
+    """Whether skorch_gradacc.fully_sharded imports (torch 2.8 or later)."""
+    try:
+        import skorch_gradacc.fully_sharded  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def __getattr__(name):
+    # HAS_FSDP2, for the tests that ask (test_readme.py)
+    if name == 'HAS_FSDP2':
+        return has_fsdp2()
+    raise AttributeError('module {!r} has no attribute {!r}'.format(
+        __name__, name))
 
 
 def pytest_configure(config):
-    # the package's module, collected for its doctests, is outside this
-    # folder, where collect_ignore does not reach
-    if not HAS_FSDP2:
+    if not has_fsdp2():
+        collect_ignore.extend(NEEDS_FSDP2)
+        # the package's module, collected for its doctests, is outside
+        # this folder, where collect_ignore does not reach
         config.option.ignore = [*(config.option.ignore or []), str(
             Path(__file__).parent.parent / 'skorch_gradacc' / 'fully_sharded.py')]
 
