@@ -146,7 +146,7 @@ def suite(request):
         sorted((mode, path) for mode, paths in SUITE.items()
                for path in paths))
     jobs = start_jobs([item for item in request.session.items
-                       if item.module.__name__ == __name__])
+                       if getattr(item, 'module', None) is request.module])
     try:
         yield jobs.wait()
     finally:
