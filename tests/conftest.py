@@ -5,8 +5,15 @@ The oracle for most tests is plain skorch with ``batch_size * acc_steps``
 """
 
 import copy
+import json
 import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -173,6 +180,61 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
         np.testing.assert_allclose(
             [row['train_loss'] for row in rows_a],
             [row['train_loss'] for row in rows_b], rtol=rtol)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_NAME = 'python3'
+
+
+def kernel_env(folder):
+    """The environment, and a ``python3`` kernelspec in ``folder``, for
+    running a notebook with this interpreter whatever Jupyter kernels the
+    machine has: ``JUPYTER_PATH``, which Jupyter searches first, holds the
+    kernelspec; the checkout is on ``PYTHONPATH``."""
+    spec_dir = Path(folder) / 'jupyter' / 'kernels' / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    (spec_dir / 'kernel.json').write_text(json.dumps({
+        'argv': [sys.executable, '-m', 'ipykernel_launcher',
+                 '-f', '{connection_file}'],
+        'display_name': 'Python 3 (test)',
+        'language': 'python',
+    }))
+    env = dict(os.environ, JUPYTER_PATH=os.pathsep.join(filter(None, [
+        str(Path(folder) / 'jupyter'), os.environ.get('JUPYTER_PATH')])),
+        PYTHONPATH=os.pathsep.join(filter(None, [
+            str(ROOT), os.environ.get('PYTHONPATH')])),
+        # the notebooks' models are tiny: one thread per kernel is fastest
+        # and spins no OpenMP threads on a busy machine
+        OMP_NUM_THREADS='1')
+    # inline figures, as in Jupyter, whatever MPLBACKEND the runner has
+    env.pop('MPLBACKEND', None)
+    return env
+
+
+def readme_notebook_command():
+    """The README's command that runs a notebook, and the notebook's path."""
+    command = re.search(r'```bash\n(jupyter execute .*?)\n```',
+                        (ROOT / 'README.md').read_text()).group(1)
+    return command, Path(shlex.split(command)[-1])
+
+
+@pytest.fixture(scope='session')
+def readme_notebook(tmp_path_factory):
+    """The README's notebook command, run once on a copy of the notebook,
+    with jupyter from this environment (test_readme.py checks the command,
+    test_notebooks.py what the notebook showed): the command's process and
+    the executed copy (``--inplace`` writes the outputs into it)."""
+    command, notebook = readme_notebook_command()
+    folder = tmp_path_factory.mktemp('readme_notebook')
+    (folder / notebook.parent).mkdir(parents=True)
+    shutil.copy(ROOT / notebook, folder / notebook)
+    env = kernel_env(folder)
+    env['PATH'] = os.pathsep.join([str(Path(sys.executable).parent),
+                                   os.environ.get('PATH', '')])
+    proc = subprocess.run(shlex.split(command), cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=840)
+    return SimpleNamespace(proc=proc, notebook=notebook,
+                           executed=folder / notebook)
 
 
 # FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
