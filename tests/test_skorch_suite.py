@@ -1,6 +1,6 @@
 """skorch's own test-suite passes against the GradAcc nets, in three modes.
 
-The suite ships inside skorch. It runs in a subprocess with the
+The suite ships inside skorch. It runs in subprocesses with the
 ``gradacc_swap`` plugin (``tests/skorch_suite/gradacc_swap.py``), which puts
 the GradAcc nets in the place of skorch's wherever skorch's tests import them
 from, and lists the tests that are out of scope, with the reason for each.
@@ -31,9 +31,10 @@ pytest.importorskip('flaky')  # skorch's tests use it
 SKORCH_TESTS = Path(skorch.__file__).parent / 'tests'
 PLUGIN_DIR = Path(__file__).parent / 'skorch_suite'
 # The plain mode runs what it ran before the other modes existed. The
-# stream mode runs everything that trains a net; test_history only for its
-# net with a shared history. The acc2 mode leaves out test_net, whose
-# training paths the stream mode covers, to keep the suite fast.
+# stream mode runs everything that trains a net, and test_history (whose
+# one net, with a shared history, is plain skorch's: gradacc_swap.py leaves
+# it out). The acc2 mode leaves out test_net, whose training paths the
+# stream mode covers, to keep the suite fast.
 SUITE = {
     'plain': ['test_net.py', 'test_classifier.py', 'test_regressor.py'],
     'stream': ['test_net.py', 'test_classifier.py', 'test_regressor.py',
