@@ -5,8 +5,15 @@ The oracle for most tests is plain skorch with ``batch_size * acc_steps``
 """
 
 import copy
+import json
 import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -175,27 +182,98 @@ def assert_same_history(acc_net, plain_net, rtol=1e-10, ignore=()):
             [row['train_loss'] for row in rows_b], rtol=rtol)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_NAME = 'python3'
+
+
+def kernel_env(folder):
+    """The environment, and a ``python3`` kernelspec in ``folder``, for
+    running a notebook with this interpreter whatever Jupyter kernels the
+    machine has: ``JUPYTER_PATH``, which Jupyter searches first, holds the
+    kernelspec; the checkout is on ``PYTHONPATH``."""
+    spec_dir = Path(folder) / 'jupyter' / 'kernels' / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    (spec_dir / 'kernel.json').write_text(json.dumps({
+        'argv': [sys.executable, '-m', 'ipykernel_launcher',
+                 '-f', '{connection_file}'],
+        'display_name': 'Python 3 (test)',
+        'language': 'python',
+    }))
+    env = dict(os.environ, JUPYTER_PATH=os.pathsep.join(filter(None, [
+        str(Path(folder) / 'jupyter'), os.environ.get('JUPYTER_PATH')])),
+        PYTHONPATH=os.pathsep.join(filter(None, [
+            str(ROOT), os.environ.get('PYTHONPATH')])),
+        # the notebooks' models are tiny: one thread per kernel is fastest
+        # and spins no OpenMP threads on a busy machine
+        OMP_NUM_THREADS='1')
+    # inline figures, as in Jupyter, whatever MPLBACKEND the runner has
+    env.pop('MPLBACKEND', None)
+    return env
+
+
+def readme_notebook_command():
+    """The README's command that runs a notebook, and the notebook's path."""
+    command = re.search(r'```bash\n(jupyter execute .*?)\n```',
+                        (ROOT / 'README.md').read_text()).group(1)
+    return command, Path(shlex.split(command)[-1])
+
+
+@pytest.fixture(scope='session')
+def readme_notebook(tmp_path_factory):
+    """The README's notebook command, run once on a copy of the notebook,
+    with jupyter from this environment (test_readme.py checks the command,
+    test_notebooks.py what the notebook showed): the command's process and
+    the executed copy (``--inplace`` writes the outputs into it)."""
+    command, notebook = readme_notebook_command()
+    folder = tmp_path_factory.mktemp('readme_notebook')
+    (folder / notebook.parent).mkdir(parents=True)
+    shutil.copy(ROOT / notebook, folder / notebook)
+    env = kernel_env(folder)
+    env['PATH'] = os.pathsep.join([str(Path(sys.executable).parent),
+                                   os.environ.get('PATH', '')])
+    proc = subprocess.run(shlex.split(command), cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=840)
+    return SimpleNamespace(proc=proc, notebook=notebook,
+                           executed=folder / notebook)
+
+
 # FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
 # import): below it, the modules that import it are not collected, so that
-# the quick suite runs at the floors (requirements/floor.txt).
-try:
-    import skorch_gradacc.fully_sharded  # noqa: F401
-    HAS_FSDP2 = True
-except ImportError:
-    HAS_FSDP2 = False
+# the quick suite runs at the floors (requirements/floor.txt). Asked only by
+# pytest, not when this module is imported: the torchrun ranks of the DDP
+# tests import it for its helpers, and the import of fully_sharded took a
+# third of their start-up.
 NEEDS_FSDP2 = [
     'test_fully_sharded.py', 'test_sharded_evaluation.py',
     'torchrun_scripts/checkpoint_worker.py',
     'torchrun_scripts/dropout_worker.py', 'torchrun_scripts/eval_worker.py',
     'torchrun_scripts/fsdp_worker.py',
 ]
-collect_ignore = [] if HAS_FSDP2 else NEEDS_FSDP2
+collect_ignore = []  # NEEDS_FSDP2 below torch 2.8 (pytest_configure)
+
+
+def has_fsdp2():
+    """Whether skorch_gradacc.fully_sharded imports (torch 2.8 or later)."""
+    try:
+        import skorch_gradacc.fully_sharded  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def __getattr__(name):
+    # HAS_FSDP2, for the tests that ask (test_readme.py)
+    if name == 'HAS_FSDP2':
+        return has_fsdp2()
+    raise AttributeError('module {!r} has no attribute {!r}'.format(
+        __name__, name))
 
 
 def pytest_configure(config):
-    # the package's module, collected for its doctests, is outside this
-    # folder, where collect_ignore does not reach
-    if not HAS_FSDP2:
+    if not has_fsdp2():
+        collect_ignore.extend(NEEDS_FSDP2)
+        # the package's module, collected for its doctests, is outside
+        # this folder, where collect_ignore does not reach
         config.option.ignore = [*(config.option.ignore or []), str(
             Path(__file__).parent.parent / 'skorch_gradacc' / 'fully_sharded.py')]
 
@@ -220,3 +298,34 @@ def pytest_collection_modifyitems(config, items):
         module = getattr(item, 'module', None)
         if module is not None and module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    # skorch's suite runs in processes of their own, started when the
+    # collection ends (pytest_collection_finish) beside the rest of the
+    # suite; its tests, which wait for them, run last
+    items.sort(key=lambda item: _module_name(item) == 'test_skorch_suite')
+
+
+def _module_name(item):
+    module = getattr(item, 'module', None)
+    return module and module.__name__
+
+
+# the module test_skorch_suite, if its tests run: its jobs are under way
+_SKORCH_SUITE = []
+
+
+def pytest_collection_finish(session):
+    items = [item for item in session.items
+             if _module_name(item) == 'test_skorch_suite']
+    if items and not session.config.option.collectonly:
+        _SKORCH_SUITE.append(items[0].module)
+        items[0].module.start_jobs(items)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    for module in _SKORCH_SUITE:  # start the next job if one has ended
+        module.start_jobs([]).poll()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for module in _SKORCH_SUITE:  # after an interruption, say
+        module.start_jobs([]).stop()

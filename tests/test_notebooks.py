@@ -1,7 +1,9 @@
 """The notebooks run top to bottom, and are committed with their outputs.
 
-Each notebook in ``notebooks/`` is executed with nbclient in a fresh kernel.
-The kernel is this interpreter (``sys.executable``), whatever Jupyter
+Each notebook in ``notebooks/`` is executed with nbclient in a fresh kernel,
+but the one that the README's command runs: that command runs it once, for
+test_readme.py and this module (``readme_notebook`` in conftest.py), with
+the same kernel. The kernel is this interpreter (``sys.executable``), whatever Jupyter
 kernels the machine has: the test writes its own ``python3`` kernelspec into
 a temporary ``JUPYTER_PATH`` entry, which Jupyter searches first. It needs
 only ``ipykernel`` installed in this environment, which
@@ -10,19 +12,18 @@ only ``ipykernel`` installed in this environment, which
 is not installed.
 """
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
+
+import conftest
 
 nbformat = pytest.importorskip('nbformat')
 nbclient = pytest.importorskip('nbclient')
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / 'notebooks').glob('*.ipynb'))
-KERNEL_NAME = 'python3'
+KERNEL_NAME = conftest.KERNEL_NAME
 CELL_TIMEOUT = 240  # seconds; the whole notebook takes well under a minute
 # optional packages that a notebook needs; without them it is not run
 REQUIRES = {'Fine_Tuning_Transformers.ipynb': ('transformers', 'tokenizers')}
@@ -31,23 +32,9 @@ REQUIRES = {'Fine_Tuning_Transformers.ipynb': ('transformers', 'tokenizers')}
 @pytest.fixture
 def kernel_env(tmp_path, monkeypatch):
     """A ``python3`` kernelspec that runs this interpreter, and its env."""
-    spec_dir = tmp_path / 'jupyter' / 'kernels' / KERNEL_NAME
-    spec_dir.mkdir(parents=True)
-    (spec_dir / 'kernel.json').write_text(json.dumps({
-        'argv': [sys.executable, '-m', 'ipykernel_launcher',
-                 '-f', '{connection_file}'],
-        'display_name': 'Python 3 (test)',
-        'language': 'python',
-    }))
-    monkeypatch.setenv('JUPYTER_PATH', os.pathsep.join(
-        filter(None, [str(tmp_path / 'jupyter'),
-                      os.environ.get('JUPYTER_PATH')])))
-    monkeypatch.setenv('PYTHONPATH', os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
-    # The notebooks' models are tiny: one thread per kernel is fastest and
-    # avoids spinning OpenMP threads on a busy CI machine.
-    monkeypatch.setenv('OMP_NUM_THREADS', '1')
-    # inline figures, as in Jupyter, whatever MPLBACKEND the runner has
+    env = conftest.kernel_env(tmp_path)
+    for name in ('JUPYTER_PATH', 'PYTHONPATH', 'OMP_NUM_THREADS'):
+        monkeypatch.setenv(name, env[name])
     monkeypatch.delenv('MPLBACKEND', raising=False)
     return tmp_path
 
@@ -78,16 +65,24 @@ class TestNotebook:
             assert not any(output.output_type == 'error'
                            for output in cell.outputs)
 
-    def test_runs_top_to_bottom(self, path, kernel_env):
+    def test_runs_top_to_bottom(self, path, request):
         for name in REQUIRES.get(path.name, ()):
             pytest.importorskip(name)
-        notebook, committed = read(path), read(path)
-        client = nbclient.NotebookClient(
-            notebook, kernel_name=KERNEL_NAME, timeout=CELL_TIMEOUT,
-            startup_timeout=120,
-            resources={'metadata': {'path': str(kernel_env)}})
-        # raises CellExecutionError, with the cell and traceback, on error
-        client.execute()
+        committed = read(path)
+        if path == ROOT / conftest.readme_notebook_command()[1]:
+            # the README's command runs it (conftest.py): its outputs
+            run = request.getfixturevalue('readme_notebook')
+            assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+            notebook = read(run.executed)
+        else:
+            notebook = read(path)
+            folder = request.getfixturevalue('kernel_env')
+            client = nbclient.NotebookClient(
+                notebook, kernel_name=KERNEL_NAME, timeout=CELL_TIMEOUT,
+                startup_timeout=120,
+                resources={'metadata': {'path': str(folder)}})
+            # raises CellExecutionError, with the cell and traceback
+            client.execute()
 
         outputs = [output for cell in notebook.cells
                    if cell.cell_type == 'code' for output in cell.outputs]

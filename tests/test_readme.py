@@ -2,12 +2,7 @@
 copy them."""
 
 import json
-import os
 import re
-import shlex
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,23 +95,12 @@ def test_no_project_url_of_another_project():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_notebook_command_runs(tmp_path):
+def test_notebook_command_runs(readme_notebook):
     # the README's command, on a copy of the notebook, in the test
-    # environment; --inplace writes the outputs into the copy
-    command = re.search(r'```bash\n(jupyter execute .*?)\n```',
-                        README.read_text()).group(1)
-    notebook = Path(shlex.split(command)[-1])
-    (tmp_path / notebook.parent).mkdir(parents=True)
-    shutil.copy(ROOT / notebook, tmp_path / notebook)
-    bin_dir = str(Path(sys.executable).parent)  # jupyter, as when activated
-    env = dict(os.environ, OMP_NUM_THREADS='1', MPLBACKEND='agg',
-               PATH=os.pathsep.join([bin_dir, os.environ.get('PATH', '')]),
-               PYTHONPATH=os.pathsep.join(
-                   filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
-    proc = subprocess.run(shlex.split(command), cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=840)
+    # environment (conftest.py; test_notebooks.py checks its outputs)
+    proc = readme_notebook.proc
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cells = [cell for cell in json.loads((tmp_path / notebook).read_text())[
+    cells = [cell for cell in json.loads(readme_notebook.executed.read_text())[
         'cells'] if cell['cell_type'] == 'code']
     assert [cell['execution_count'] for cell in cells] == list(
         range(1, len(cells) + 1))

@@ -1,6 +1,6 @@
 """skorch's own test-suite passes against the GradAcc nets, in three modes.
 
-The suite ships inside skorch. It runs in a subprocess with the
+The suite ships inside skorch. It runs in subprocesses with the
 ``gradacc_swap`` plugin (``tests/skorch_suite/gradacc_swap.py``), which puts
 the GradAcc nets in the place of skorch's wherever skorch's tests import them
 from, and lists the tests that are out of scope, with the reason for each.
@@ -16,8 +16,11 @@ The modes (``GRADACC_SUITE_MODE``):
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +31,10 @@ pytest.importorskip('flaky')  # skorch's tests use it
 SKORCH_TESTS = Path(skorch.__file__).parent / 'tests'
 PLUGIN_DIR = Path(__file__).parent / 'skorch_suite'
 # The plain mode runs what it ran before the other modes existed. The
-# stream mode runs everything that trains a net; test_history only for its
-# net with a shared history. The acc2 mode leaves out test_net, whose
-# training paths the stream mode covers, to keep the suite fast.
+# stream mode runs everything that trains a net, and test_history (whose
+# one net, with a shared history, is plain skorch's: gradacc_swap.py leaves
+# it out). The acc2 mode leaves out test_net, whose training paths the
+# stream mode covers, to keep the suite fast.
 SUITE = {
     'plain': ['test_net.py', 'test_classifier.py', 'test_regressor.py'],
     'stream': ['test_net.py', 'test_classifier.py', 'test_regressor.py',
@@ -41,45 +45,133 @@ SUITE = {
 # at least this many tests pass in each mode (what passed when written,
 # rounded down), so that a collection that silently shrinks fails
 MIN_PASSED = {'plain': 290, 'stream': 800, 'acc2': 500}
+# Each mode's files run in processes of their own, the longest first
+# (test_net.py takes most of its mode's time), each file in skorch's order
+# in a process that ran no other file before it, so that a module-scoped
+# fixture such as TestNeuralNet's net_fit is trained from the same random
+# state in every run. They start when the suite's collection ends, one at a
+# time while the rest of the suite runs (it uses one core mostly), and two
+# at a time once the tests here wait for them (they run last; conftest.py).
+JOBS = [('stream', ['test_net.py']), ('plain', ['test_net.py']),
+        ('stream', ['callbacks']), ('acc2', ['callbacks']),
+        ('stream', ['test_classifier.py', 'test_regressor.py',
+                    'test_helper.py', 'test_history.py']),
+        ('acc2', ['test_classifier.py', 'test_regressor.py',
+                  'test_helper.py']),
+        ('plain', ['test_classifier.py', 'test_regressor.py'])]
+TIME_LIMIT = 1500
+NICENESS = 5
 
 
-def run_suite(mode, tmp_path):
-    """Run skorch's tests in ``mode``; return ``(returncode, output)``."""
-    env = dict(os.environ, GRADACC_SUITE_MODE=mode, PYTHONPATH=os.pathsep.join(
-        [str(PLUGIN_DIR), os.environ.get('PYTHONPATH', '')]))
-    # --dist loadfile: each module runs in one worker, in skorch's order, as
-    # in skorch's CI (plain pytest). Module-scoped fixtures such as
-    # TestNeuralNet's net_fit are trained from the random state that the
-    # test before them leaves; under xdist's default scheduling that test
-    # varies from run to run, and for 7 of 100 seeds net_fit stays
-    # below the accuracy that test_clone_results_in_uninitialized_net asserts,
-    # for plain skorch as for the GradAcc nets.
-    workers = ['-n', '2', '--dist', 'loadfile'] if _has_xdist() else []
-    proc = subprocess.run(
-        [sys.executable, '-m', 'pytest', '-c', str(PLUGIN_DIR / 'pytest.ini'),
-         '-p', 'gradacc_swap',
-         *[str(SKORCH_TESTS / path) for path in SUITE[mode]],
-         '-p', 'no:cacheprovider', '-W',
-         'ignore::pytest.PytestRemovedIn10Warning', *workers],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
-    return proc.returncode, proc.stdout + proc.stderr
+def _lower_priority():
+    # beside the rest of the suite, a job takes the CPU that it leaves
+    # (its tests, the torchrun ranks among them, keep their pace)
+    if hasattr(os, 'nice'):
+        os.nice(NICENESS)
 
 
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize('mode', list(SUITE))
-def test_skorch_suite_passes_on_grad_acc_nets(tmp_path, mode):
-    returncode, out = run_suite(mode, tmp_path)
-    assert ('gradacc_swap: skorch.NeuralNet, skorch.NeuralNetClassifier, '
-            'skorch.NeuralNetBinaryClassifier, skorch.NeuralNetRegressor are '
-            'the GradAcc nets, mode {}'.format(mode)) in out
-    assert returncode == 0, out[-6000:]
-    passed = int(re.search(r'(\d+) passed', out).group(1))
-    assert passed >= MIN_PASSED[mode], out[-2000:]
+class Jobs:
+    """The JOBS of ``modes``, run in processes of their own, ``parallel`` at
+    a time, in their order; :meth:`poll` starts and collects them."""
+
+    def __init__(self, modes, parallel=1):
+        self.waiting = [(mode, paths) for mode, paths in JOBS if mode in modes]
+        self.parallel = parallel
+        self.running, self.done, self.seconds = [], {}, []
+        self.folder = tempfile.mkdtemp(prefix='skorch_suite-')
+
+    def start(self, mode, paths):
+        env = dict(os.environ, GRADACC_SUITE_MODE=mode,
+                   PYTHONPATH=os.pathsep.join(
+                       [str(PLUGIN_DIR), os.environ.get('PYTHONPATH', '')]))
+        out = tempfile.TemporaryFile('w+')  # a pipe could fill unread
+        proc = subprocess.Popen(
+            [sys.executable, '-m', 'pytest', '-c',
+             str(PLUGIN_DIR / 'pytest.ini'), '-p', 'gradacc_swap',
+             *[str(SKORCH_TESTS / path) for path in paths],
+             '-p', 'no:cacheprovider', '-p', 'no:xdist', '-W',
+             'ignore::pytest.PytestRemovedIn10Warning'],
+            cwd=self.folder, env=env, stdout=out, stderr=subprocess.STDOUT,
+            text=True, preexec_fn=_lower_priority)
+        self.running.append((mode, paths, proc, out, time.monotonic()))
+
+    def poll(self):
+        """Collect the jobs that ended and start waiting ones; whether any
+        job is left."""
+        for job in list(self.running):
+            mode, paths, proc, out, start = job
+            if proc.poll() is None:
+                continue
+            out.seek(0)
+            self.done.setdefault(mode, []).append((proc.returncode, out.read()))
+            out.close()
+            self.seconds.append((time.monotonic() - start, mode, paths))
+            self.running.remove(job)
+        while self.waiting and len(self.running) < self.parallel:
+            self.start(*self.waiting.pop(0))
+        return bool(self.running)
+
+    def wait(self, timeout=TIME_LIMIT, parallel=2):
+        """Run the jobs left ``parallel`` at a time; every mode's outputs."""
+        self.parallel = parallel
+        end = time.monotonic() + timeout
+        while self.poll():
+            if time.monotonic() > end:
+                self.stop()
+                pytest.fail('the jobs ran past {} s: {}'.format(
+                    timeout, self.seconds))
+            time.sleep(0.5)
+        return self.done
+
+    def stop(self):
+        """Kill the jobs still running; remove their folder."""
+        self.waiting = []
+        for mode, _, proc, out, _ in self.running:
+            proc.kill()
+            proc.wait()
+            out.close()
+            self.done.setdefault(mode, []).append((proc.returncode, 'killed'))
+        self.running = []
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _has_xdist():
+# started by conftest.py when the collection ends (start_jobs)
+JOBS_STARTED = []
+
+
+def start_jobs(items):
+    """Start the jobs of the modes that ``items`` test."""
+    if not JOBS_STARTED:
+        JOBS_STARTED.append(Jobs({item.callspec.params['mode']
+                                  for item in items}))
+        JOBS_STARTED[0].poll()
+    return JOBS_STARTED[0]
+
+
+@pytest.fixture(scope='module')
+def suite(request):
+    """Every mode's outputs."""
+    assert sorted((mode, path) for mode, paths in JOBS for path in paths) == (
+        sorted((mode, path) for mode, paths in SUITE.items()
+               for path in paths))
+    jobs = start_jobs([item for item in request.session.items
+                       if getattr(item, 'module', None) is request.module])
     try:
-        import xdist  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        yield jobs.wait()
+    finally:
+        for seconds, mode, paths in jobs.seconds:
+            print('{:.0f} s: {} {}'.format(seconds, mode, ' '.join(paths)))
+        jobs.stop()
+
+
+@pytest.mark.timeout(TIME_LIMIT + 60)
+@pytest.mark.parametrize('mode', list(SUITE))
+def test_skorch_suite_passes_on_grad_acc_nets(suite, mode):
+    passed = 0
+    for returncode, out in suite[mode]:
+        assert ('gradacc_swap: skorch.NeuralNet, skorch.NeuralNetClassifier, '
+                'skorch.NeuralNetBinaryClassifier, skorch.NeuralNetRegressor '
+                'are the GradAcc nets, mode {}'.format(mode)) in out
+        assert returncode == 0, out[-6000:]
+        passed += int(re.search(r'(\d+) passed', out).group(1))
+    assert passed >= MIN_PASSED[mode], [out[-2000:] for _, out in suite[mode]]

@@ -42,11 +42,7 @@ from skorch.history import History
 from worker_common import finish, save_rank  # puts tests/ on sys.path
 
 # isort: split
-from skorch_gradacc import (
-    DistributedGradAccMixin,
-    FullyShardedGradAccMixin,
-    GradAccNeuralNetRegressor,
-)
+from skorch_gradacc import DistributedGradAccMixin, GradAccNeuralNetRegressor
 
 from conftest import MLPRegressor, regression_data
 
@@ -71,8 +67,15 @@ class DDPRegressor(DistributedGradAccMixin, GradAccNeuralNetRegressor):
     pass
 
 
-class FSDPRegressor(FullyShardedGradAccMixin, GradAccNeuralNetRegressor):
-    pass
+def fsdp_regressor():
+    """The FSDP2 regressor class; FSDP2 is imported only by the launches that
+    use it: the import takes a good part of a rank's start-up."""
+    from skorch_gradacc import FullyShardedGradAccMixin
+
+    class FSDPRegressor(FullyShardedGradAccMixin, GradAccNeuralNetRegressor):
+        pass
+
+    return FSDPRegressor
 
 
 class DropoutRegressor(MLPRegressor):
@@ -115,7 +118,7 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
     callbacks = [cp, LoadInitState(cp)]
     if mode.startswith('crash'):
         callbacks.append(CrashInEpoch4())
-    net_cls = DDPRegressor if engine == 'ddp' else FSDPRegressor
+    net_cls = DDPRegressor if engine == 'ddp' else fsdp_regressor()
     net_cls.rank_wait_timeout = 3
     shuffle = mode.endswith('_shuffle')
     torch.manual_seed(0)  # the same initial weights on every rank
