@@ -261,13 +261,6 @@ def has_fsdp2():
     return True
 
 
-def __getattr__(name):
-    # HAS_FSDP2, for the tests that ask (test_readme.py)
-    if name == 'HAS_FSDP2':
-        return has_fsdp2()
-    raise AttributeError('module {!r} has no attribute {!r}'.format(
-        __name__, name))
-
 
 def pytest_configure(config):
     if not has_fsdp2():
@@ -309,23 +302,22 @@ def _module_name(item):
     return module and module.__name__
 
 
-# the module test_skorch_suite, if its tests run: its jobs are under way
-_SKORCH_SUITE = []
+# the jobs of test_skorch_suite, if its tests run: under way
+_SKORCH_SUITE_JOBS = []
 
 
 def pytest_collection_finish(session):
     items = [item for item in session.items
              if _module_name(item) == 'test_skorch_suite']
     if items and not session.config.option.collectonly:
-        _SKORCH_SUITE.append(items[0].module)
-        items[0].module.start_jobs(items)
+        _SKORCH_SUITE_JOBS.append(items[0].module.start_jobs(items))
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    for module in _SKORCH_SUITE:  # start the next job if one has ended
-        module.start_jobs([]).poll()
+    for jobs in _SKORCH_SUITE_JOBS:  # start the next job if one has ended
+        jobs.poll()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for module in _SKORCH_SUITE:  # after an interruption, say
-        module.start_jobs([]).stop()
+    for jobs in _SKORCH_SUITE_JOBS:  # after an interruption, say
+        jobs.stop()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAS_FSDP2
+from conftest import has_fsdp2
 
 ROOT = Path(__file__).parent.parent
 README = ROOT / 'README.md'
@@ -69,7 +69,7 @@ def test_readme_test_command_is_what_ci_runs():
 def test_benchmark_commands_keep_the_committed_results():
     from benchmarks import run, stream_memory
     modules = [run, stream_memory]
-    if HAS_FSDP2:  # not at requirements/floor.txt's torch 2.3
+    if has_fsdp2():  # not at requirements/floor.txt's torch 2.3
         from benchmarks import fsdp_memory
         modules.append(fsdp_memory)
     for module in modules:
