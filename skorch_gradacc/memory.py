@@ -397,10 +397,12 @@ def _nbytes(data):
 def split_micro_batch(net, micro, group):
     """Return the pieces of ``micro`` that go through the module one by one.
 
-    With a plan, the most rows whose cost is at most its ``max_cost`` (at
-    least 1); else :meth:`~skorch_gradacc.GradAccMixin.get_micro_batch_size`
-    rows. Notes ``rows_in_flight``, ``piece_rows`` and ``cost_per_row`` on
-    ``group`` for a back-off.
+    With a plan, as few pieces as the most rows whose cost is at most its
+    ``max_cost`` (at least 1) take, as even as can be
+    (:func:`even_piece_rows`); else
+    :meth:`~skorch_gradacc.GradAccMixin.get_micro_batch_size` rows. Notes
+    ``rows_in_flight``, ``piece_rows`` and ``cost_per_row`` on ``group``
+    for a back-off.
     """
     plan = getattr(net, 'memory_plan_', None)
     rows = group.rows_in_flight = batch_len(micro)
@@ -408,9 +410,27 @@ def split_micro_batch(net, micro, group):
     if plan is None or plan['max_cost'] is None:
         size = net.get_micro_batch_size()
     else:
-        size = max(1, int(plan['max_cost'] / group.cost_per_row + 1e-9))
+        size = even_piece_rows(rows, max(1, int(
+            plan['max_cost'] / group.cost_per_row + 1e-9)))
     group.piece_rows = rows if size is None else min(size, rows)
     return [micro] if group.piece_rows >= rows else split_batch(micro, size)
+
+
+def even_piece_rows(rows, size):
+    """Return the rows of the first pieces of ``rows`` cut at most ``size``.
+
+    As many pieces as ``size`` takes, as even as can be: the same passes in
+    less memory, and fewer shapes, for each of which a convolution may
+    compile code (oneDNN).
+
+    Examples
+    --------
+    >>> even_piece_rows(128, 37)  # 4 pieces of 32, not 37, 37, 37 and 17
+    32
+
+    """
+    rows = max(rows, 1)  # a rank's empty share: one piece
+    return -(-rows // -(-rows // size))
 
 
 # The plan
@@ -451,6 +471,10 @@ def plan_memory(net, group, buffers, **fit_params):
             devices=[device] if device.type == 'cuda' else []):
         trials, out_bytes = _trials(net, engine, meter, first, buffers,
                                     **fit_params)
+        # on the larger pass's piece and its halves, the smaller's shape:
+        # what the check maps (oneDNN's code for a new shape) is counted in
+        # the address space read next, not met by the first step
+        net._check_loss_on(split_batch(first, trials[1][0])[0], **fit_params)
         meter.reset()  # malloc hands back what the passes freed
         left = _address_space_left() if device.type == 'cpu' else None
         if left is not None and budget is not None:
@@ -468,7 +492,8 @@ def plan_memory(net, group, buffers, **fit_params):
         max_cost = largest_cost(budget, fixed, slope)
         max_cost = engine.min_over_ranks(
             _NO_LIMIT if max_cost is None else max_cost)
-        planned = max(1, min(rows, int(max_cost / per_row + 1e-9)))
+        planned = even_piece_rows(rows, max(1, min(rows, int(
+            max_cost / per_row + 1e-9))))
         # beside the state and what is kept, half the margin: the try shows
         # its pass, not what a cap counts of later steps (address space)
         reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
@@ -527,8 +552,9 @@ def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
     cost = largest_cost(budget, fixed, slope_t, margin=PLAN_MARGIN / 2)
     cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
     grown = max(1, min(rows, int(cost / per_row + 1e-9)))
-    if failed is not None:
-        grown = min(grown, failed - 1)
+    if failed is not None and grown >= failed:
+        grown, cost = failed - 1, math.ceil((failed - 1) * per_row)
+    grown = even_piece_rows(rows, grown)
     if grown < planned:  # the try took more than the passes said
         return grown, cost, fixed, slope_t
     # once, and only where it saves a pass: each try costs one
@@ -626,7 +652,7 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
     counts: on the CPU, malloc takes more or less for the same tensors.
     """
     rows = batch_len(first)
-    sizes = [max(1, rows // 16), max(2, rows // 8)]
+    sizes = [max(1, rows // 16), 2 * max(1, rows // 16)]
     while True:
         order = [sizes[0]] + sizes * PLAN_REPEATS  # the first warms up
         results = _passes(net, engine, [
@@ -638,7 +664,7 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
             return (list(zip(sizes, peaks)), results[-1][2] / sizes[1])
         if sizes[0] == 1:
             raise RuntimeError(_ONE_ROW)
-        sizes = [max(1, sizes[0] // 2), max(2, sizes[1] // 2)]
+        sizes = [max(1, sizes[0] // 2), 2 * max(1, sizes[0] // 2)]
 
 
 def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
@@ -647,12 +673,13 @@ def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
 
     From the planned rows, less a quarter while a try fails (None: none
     failed), or the most rows below it of a pass that ran (``ran``), if
-    more. Where the budget is the device's or a hard limit's, the measured
-    peak can miss what a cap counts (the CPU's address space grows more
-    than its resident memory): one pass at the plan, beside ``reserve``
-    bytes, settles it.
+    more; in even pieces (:func:`even_piece_rows`). Where the budget is
+    the device's or a hard limit's, the measured peak can miss what a cap
+    counts (the CPU's address space grows more than its resident memory):
+    one pass at the plan, beside ``reserve`` bytes, settles it.
     """
-    failed = None
+    failed, rows = None, batch_len(first)
+    ran = [size for size in ran if even_piece_rows(rows, size) == size]
     while True:
         peak = _try(net, engine, meter, first, planned, reserve, buffers,
                     **fit_params)
@@ -662,19 +689,26 @@ def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
             raise RuntimeError(_ONE_ROW)
         # a try that fails was close: smaller steps than the back-off's; a
         # shape that ran maps no more (oneDNN compiles code for each new one)
-        failed, planned = planned, max([min(planned - 1, planned * 3 // 4)] + [
-            size for size in ran if size < planned])
+        failed, planned = planned, max([even_piece_rows(rows, min(
+            planned - 1, planned * 3 // 4))] + [
+                size for size in ran if size < planned])
 
 
 def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
     """Return the peak of a pass on ``rows`` rows beside ``reserve`` bytes.
 
-    None where it fails to allocate, on any rank.
+    And of a pass on the last piece of ``first`` in pieces of ``rows``,
+    where its rows differ on some rank: a cap counts the code of each new
+    shape (oneDNN's). None where a pass fails to allocate, on any rank.
     """
-    piece = split_batch(first, rows)[0]
-    result, = _passes(net, engine, [(piece, meter)], buffers, reserve,
-                      **fit_params)
-    return None if result is None else result[1]
+    pieces = split_batch(first, rows)
+    last = pieces[-1] if batch_len(pieces[-1]) != rows else None
+    # the same passes on every rank, for the collectives of each
+    pieces = pieces[:1] + ([] if engine.all_ranks(last is None)
+                           else [pieces[0] if last is None else last])
+    results = _passes(net, engine, [(piece, meter) for piece in pieces],
+                      buffers, reserve, **fit_params)
+    return None if None in results else max(peak for _, peak, _ in results)
 
 
 def _trial(net, engine, meter, piece, **fit_params):

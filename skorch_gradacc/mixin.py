@@ -142,8 +142,9 @@ class GradAccMixin:
     check_loss : bool (default=True)
       Check once in a fit from scratch that trains in groups (not at
       ``acc_steps=1`` without options), with three extra forward passes of
-      one micro-batch (and its halves) and no side effect, that the loss is
-      a mean over what :meth:`count_loss_items` counts; else warn with a
+      one piece (and its halves; with ``'auto'``, of the plan's passes'
+      sizes) and no side effect, that the loss is a mean over what
+      :meth:`count_loss_items` counts; else warn with a
       :class:`~skorch_gradacc.LossItemsWarning`. Undecided (a loss that is
       not finite, no items), it tries the next micro-batch: 3 at most.
 
@@ -749,6 +750,14 @@ class GradAccMixin:
                 yield pieces[number], number == last and group.is_last(index)
             del pieces
 
+    def _check_loss_on(self, piece, **fit_params):
+        """Check the loss on ``piece`` while a check is pending (``check_loss``)."""
+        if getattr(self, 'loss_check_pending_', 0):
+            checked = check_loss_is_mean(self, piece, **fit_params)
+            if checked is not None:  # a try: three forward passes
+                self.loss_check_pending_ = (
+                    0 if checked else self.loss_check_pending_ - 1)
+
     def _train_piece(self, piece, counts, is_last, **fit_params):
         """Run ``train_step_single`` on one piece, weighted by its count.
 
@@ -759,11 +768,7 @@ class GradAccMixin:
         outputs. Values recorded in the history row are noted for
         :meth:`_merge_piece_records`.
         """
-        if getattr(self, 'loss_check_pending_', 0):
-            checked = check_loss_is_mean(self, piece, **fit_params)
-            if checked is not None:  # a try: three forward passes
-                self.loss_check_pending_ = (
-                    0 if checked else self.loss_check_pending_ - 1)
+        self._check_loss_on(piece, **fit_params)
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
         weight, scaler, calls = counts.weight, self._get_grad_scaler(), []

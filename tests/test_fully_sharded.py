@@ -291,13 +291,14 @@ def test_options_match_single_process(fsdp, oracle, scenario):
         assert [rank['memory_plan_']['budget'] for rank in ranks][1] == 1
     if scenario == 'plan_fails':
         # rank 1's try of 8 rows fails: a zero-row pass joins rank 0's, and
-        # every rank tries 6 (fails) and 4 (passes); 5, below the failed 6,
-        # takes two pieces of 8 rows too: not tried; no back-off in training
+        # every rank tries 4 (two even pieces, as 6 would take), which
+        # passes; nothing below 8 takes fewer: no more tries, and no
+        # back-off in training
         passes = [1] + [1, 2] * PLAN_REPEATS
         assert ranks[0]['forward_rows'][:len(passes) + 4] == (
-            passes + [8, 6, 4, 4])
-        assert ranks[1]['forward_rows'][:len(passes) + 6] == (
-            passes + [8, 0, 6, 0, 4, 4])
+            passes + [8, 4, 4, 4])
+        assert ranks[1]['forward_rows'][:len(passes) + 4] == (
+            passes + [8, 0, 4, 4])
         for rank in ranks:
             assert rank['memory_plan_']['micro_batch_size'] == 4
             assert rank['micro_batch_size_'] == 4

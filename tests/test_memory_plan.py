@@ -18,6 +18,7 @@ from skorch_gradacc.memory import (
     ONEDNN_ERROR,
     PLAN_MARGIN,
     PLAN_REPEATS,
+    even_piece_rows,
     is_out_of_memory,
     largest_cost,
     parse_budget,
@@ -31,6 +32,10 @@ from conftest import (
     make_nets,
     max_param_diff,
 )
+
+# the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, the loss
+# check's three (on the larger size and its halves), its try
+PLAN_PASSES = 2 + 2 * PLAN_REPEATS + 3
 
 
 class TestBudget:
@@ -127,8 +132,9 @@ class TestPlan:
 
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
-        # the running mean, the dropout draws and Adam's state
-        X, y = clf_data
+        # the running mean, the dropout draws and Adam's state (one batch
+        # an epoch: pieces of other batches are as even as their rows allow)
+        X, y = clf_data[0][:128], clf_data[1][:128]
         kwargs = dict(batch_size=128, max_epochs=2, lr=0.01, verbose=0,
                       train_split=None, optimizer=torch.optim.Adam,
                       iterator_train__shuffle=True)
@@ -157,8 +163,9 @@ class TestPlan:
         assert plan['budget'] == 16 * 10 ** 6
         assert plan['unit'] == 'elements'
         assert plan['method'] == 'rss'
-        # the pieces of the plan: 10 elements a row
-        assert plan['max_cost'] // 10 == plan['micro_batch_size']
+        # the pieces of the plan: 10 elements a row, in even pieces
+        assert even_piece_rows(128, plan['max_cost'] // 10) == plan[
+            'micro_batch_size']
         # within the margin, or half of it after a second try
         assert 0 < plan['predicted_peak'] <= (1 - PLAN_MARGIN / 2) * plan['budget']
         assert plan['measured_peak'] > 0 and plan['plan_seconds'] > 0
@@ -169,22 +176,21 @@ class TestPlan:
         assert auto.history[:, 'micro_batch_size'] == [
             plan['micro_batch_size']] * 2
 
-    def test_the_loss_check_runs_on_planned_pieces(self, clf_data):
-        # its passes (eval mode: the whole piece and its halves) come after
-        # the plan's, on pieces of the plan's size
+    def test_the_loss_check_runs_on_shapes_the_plan_ran(self, clf_data):
+        # its passes (eval mode: a piece and its halves) come after the
+        # measured passes, on their sizes, before the budget is read and the
+        # plan tried: under a cap, what they map is counted; none later
         auto = fit_seeded(GradAccNeuralNetClassifier(
             WideNormed, micro_batch_size='auto', memory_budget='16MB',
             batch_size=128, max_epochs=1, train_split=None, verbose=0),
             *clf_data)
-        planned = auto.memory_plan_['micro_batch_size']
         passes = auto.module_.passes_
-        # a warm-up, the measured passes, the try, and perhaps a larger try
-        plan = auto.memory_plan_['passes']
-        assert plan in (2 + 2 * PLAN_REPEATS, 3 + 2 * PLAN_REPEATS)
-        assert all(training for training, _ in passes[:plan])
-        assert [rows for _, rows in passes[plan:plan + 3]] == [
-            planned, planned - planned // 2, planned // 2]
-        assert not any(training for training, _ in passes[plan:plan + 3])
+        measured = 1 + 2 * PLAN_REPEATS  # a warm-up, the measured passes
+        assert passes[:measured] == [(True, 8)] + [(True, 8), (True, 16)] * (
+            PLAN_REPEATS)
+        assert passes[measured:measured + 3] == [(False, 16), (False, 8),
+                                                 (False, 8)]
+        assert all(training for training, _ in passes[measured + 3:])
 
     def test_exact_with_the_large_batch(self, clf_data):
         acc_net, plain_net = make_nets(
@@ -263,6 +269,10 @@ def test_long_sequences_are_split_into_more_pieces():
     shapes = acc_net.module_.shapes_[plan['passes']:]
     assert all(rows == 1 or rows * length <= plan['max_cost']
                for rows, length in shapes), plan
+    # as few pieces as that allows, as even as can be: no more rows than
+    # the first pieces of a batch of 32 rows take (its last may take fewer)
+    assert all(rows <= even_piece_rows(32, max(1, plan['max_cost'] // length))
+               for rows, length in shapes), (shapes, plan)
     first_epoch = shapes[:len(shapes) // 2]
     pieces = {length: sum(1 for _, n in first_epoch if n == length)
               for length in Sequences.lengths}
@@ -299,7 +309,7 @@ class TestCPUAllocatorError:
             1, batch_size=32, module=CappedCPU, optimizer=torch.optim.Adam,
             lr=0.01, iterator_train__shuffle=True)
         acc_net.set_params(micro_batch_size='auto',
-                           module__fails_from=2 + 2 * PLAN_REPEATS)
+                           module__fails_from=PLAN_PASSES)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert acc_net.micro_batch_size_ == 8
@@ -309,13 +319,13 @@ class TestCPUAllocatorError:
 
     @pytest.mark.timeout(120)  # a back-off that keeps the plan never ends
     def test_a_plan_that_was_wrong_backs_off_by_cost(self, clf_data):
-        # the plan's passes on 16 and 32 rows pass, and its try; then more
-        # than 16 rows fail, and the pieces halve until they fit, in the
-        # plan's unit
+        # the plan's passes on 8 and 16 rows pass, and its try (here 43
+        # rows and the last piece, 42); then more than 16 rows fail, and the pieces
+        # halve until they fit, in the plan's unit
         acc_net, plain_net = make_nets(
             1, batch_size=128, module=CappedCPU, module__max_rows=16,
             module__n_hidden=8192, iterator_train__shuffle=True,
-            module__fails_from=2 + 2 * PLAN_REPEATS)
+            module__fails_from=PLAN_PASSES + 1)
         acc_net.set_params(micro_batch_size='auto', memory_budget='12MB')
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)

@@ -20,8 +20,9 @@ from conftest import (
     max_param_diff,
 )
 
-# the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, its try
-PLAN_PASSES = 2 + 2 * PLAN_REPEATS
+# the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, the loss
+# check's three (on the larger size and its halves), its try
+PLAN_PASSES = 2 + 2 * PLAN_REPEATS + 3
 
 
 class CappedMLP(MLPClassifier):
@@ -117,11 +118,13 @@ class TestAutoMicroBatchSize:
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
         assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
-        # the plan's passes on 2 and 4 rows and its try of 32 (the tiny
-        # model fits 32 rows, says the plan); then the loss check's pass of
-        # 32 rows fails, 16 fail, 8 fit; remembered for the rest of training
+        # the plan's passes on 2 and 4 rows, the loss check's (4 rows and
+        # its halves) and the try of 32 (the tiny model fits 32 rows, says
+        # the plan); then the first step's 32 rows fail, 16 fail, 8 fit;
+        # remembered for the rest of training
         assert acc_net.micro_batch_size_ == 8
-        assert acc_net.module_.rows_[:9] == [2, 2, 4, 2, 4, 32, 32, 16, 8]
+        assert acc_net.module_.rows_[:12] == [
+            2, 2, 4, 2, 4, 4, 2, 2, 32, 32, 16, 8]
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
         backoffs = acc_net.history[:, 'batches', :, 'micro_batch_size_backoff']
         # in the first batch's row only (skorch leaves out epochs without it)
@@ -130,41 +133,51 @@ class TestAutoMicroBatchSize:
 
     def test_plan_steps_down_where_its_try_fails(self, clf_data):
         # the try of the planned 32 rows fails, and of three quarters of it
-        # while it fails: 24, 18 and 13 fail, 9 fit; no back-off
+        # in even pieces while it fails: 16 and 11 fail, 8 fit; no back-off
         acc_net, plain_net = micro_nets('auto', module__max_rows=10)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:10] == [2, 2, 4, 2, 4, 32, 24, 18, 13, 9]
-        # then the line through the try (no budget: no limit) lets up to 12
-        # rows through, 3 pieces of the 32 rather than 4: tried, and fails
-        assert acc_net.module_.rows_[10:12] == [12, 9]
-        assert acc_net.memory_plan_['micro_batch_size'] == 9
-        assert acc_net.memory_plan_['max_cost'] == 9 * 10  # 10 features
-        assert acc_net.micro_batch_size_ == 9
+        assert acc_net.module_.rows_[:12] == [
+            2, 2, 4, 2, 4, 4, 2, 2, 32, 16, 11, 8]
+        # the line through the try (no budget: no limit) lets up to 10 rows
+        # through, as many pieces of the 32 as 8: no more tries, training
+        assert acc_net.memory_plan_['passes'] == 5 + 4
+        assert acc_net.module_.rows_[12] == 8
+        assert acc_net.memory_plan_['micro_batch_size'] == 8
+        assert acc_net.memory_plan_['max_cost'] == 8 * 10  # 10 features
+        assert acc_net.micro_batch_size_ == 8
         assert not any('micro_batch_size_backoff' in row for epoch in
                        acc_net.history for row in epoch['batches'])
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
     def test_plan_steps_down_to_a_size_its_passes_ran(self, clf_data):
-        # batches of 40: passes on 2 and 5 rows; the tries step down by
-        # quarters from 40 to 6, and then to 5 rows, not 4: its shape ran
-        acc_net, plain_net = micro_nets('auto', batch_size=40,
-                                        module__max_rows=5)
+        # batches of 33: passes on 2 and 4 rows; the tries step down by
+        # quarters in even pieces from 33 to 5, and then to 4 rows, not 3:
+        # its shape ran; the try runs the last piece too, of 1 row
+        acc_net, plain_net = micro_nets('auto', batch_size=33,
+                                        module__max_rows=4)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:13] == [
-            2, 2, 5, 2, 5, 40, 30, 22, 16, 12, 9, 6, 5]
-        assert acc_net.memory_plan_['micro_batch_size'] == 5
+        assert acc_net.module_.rows_[:15] == [
+            2, 2, 4, 2, 4, 4, 2, 2, 33, 17, 11, 7, 5, 4, 1]
+        assert acc_net.memory_plan_['micro_batch_size'] == 4
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
-    def test_plan_grows_only_where_it_saves_a_pass(self, clf_data):
-        # 32 and 24 rows fail, 18 fit; 23 would take two pieces of the 32
-        # rows too: not tried; the loss check and training follow at 18
-        acc_net, _ = micro_nets('auto', module__max_rows=20)
+    def test_plan_grows_where_it_saves_a_pass(self, clf_data):
+        # 32, 16, 11 and 8 rows fail, 6 fit (and the last piece, 2 rows);
+        # 7 rows below the 8 that failed take 5 pieces, not 6: tried with
+        # its last piece, fits, and training follows at 7, though the
+        # budget would let through more
+        acc_net, _ = micro_nets('auto', module__max_rows=7,
+                                memory_budget='1GiB')
         fit_seeded(acc_net, *clf_data)
-        assert acc_net.module_.rows_[:9] == [2, 2, 4, 2, 4, 32, 24, 18, 18]
-        assert max(acc_net.module_.rows_[8:]) == 18
-        assert acc_net.memory_plan_['micro_batch_size'] == 18
+        assert acc_net.module_.rows_[:16] == [
+            2, 2, 4, 2, 4, 4, 2, 2, 32, 16, 11, 8, 6, 2, 7, 4]
+        assert max(acc_net.module_.rows_[16:]) == 7
+        assert acc_net.memory_plan_['micro_batch_size'] == 7
+        assert acc_net.memory_plan_['max_cost'] == 7 * 10  # 10 features
+        assert not any('micro_batch_size_backoff' in row for epoch in
+                       acc_net.history for row in epoch['batches'])
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1,
@@ -274,12 +287,12 @@ class BatchNormCapped(torch.nn.Module):
 
 @pytest.mark.parametrize('fails_from', [0, PLAN_PASSES])
 def test_auto_restores_buffers_of_failed_attempts(clf_data, fails_from):
-    # in the plan's try (0), 64, 48, 36, 27 and 20 rows fail, 15 fit; in
-    # the step (a back-off), 64 and 32 fail, 16 fit: the run equals one at
-    # that size from the start, BatchNorm's statistics and counter included
+    # in the plan's try (0), 64, 32 and 22 rows fail, 16 fit; in the step
+    # (a back-off), 64 and 32 fail, 16 fit: the run equals one at that size
+    # from the start, BatchNorm's statistics and counter included
     kwargs = dict(batch_size=64, max_epochs=2, lr=0.1, verbose=0,
                   train_split=None, iterator_train__shuffle=True)
-    size = 16 if fails_from else 15
+    size = 16
     auto = fit_seeded(GradAccNeuralNetClassifier(
         BatchNormCapped, micro_batch_size='auto', module__fails_from=fails_from,
         **kwargs), *clf_data)
@@ -292,7 +305,6 @@ def test_auto_restores_buffers_of_failed_attempts(clf_data, fails_from):
     for key, value in auto.module_.state_dict().items():
         torch.testing.assert_close(value, fixed_state[key], rtol=0,
                                    atol=PARAM_ATOL, msg=key)
-    # micro-batches of 64, 64, 64 and 11 rows, in pieces of at most 16 (13
-    # forward passes an epoch) or 15 (16)
-    assert auto.module_.norm.num_batches_tracked.item() == (
-        26 if fails_from else 32)
+    # micro-batches of 64, 64, 64 and 11 rows, in pieces of at most 16: 13
+    # forward passes an epoch
+    assert auto.module_.norm.num_batches_tracked.item() == 26
