@@ -439,17 +439,19 @@ def plan_memory(net, group, buffers, **fit_params):
     """Plan the pieces of ``micro_batch_size='auto'`` before the first step.
 
     Forward and backward passes on the first rows of the group's first
-    micro-batch, at a sixteenth and an eighth of it, :data:`PLAN_REPEATS`
+    micro-batch, at a sixteenth of it and twice that, :data:`PLAN_REPEATS`
     times each after a warm-up pass, fit ``peak = fixed + slope * cost``
     (:func:`batch_cost`); ``fixed`` adds the optimizer state of the first
     step (:func:`optimizer_state_bytes`) and what the group and the
-    callbacks keep. The plan, the largest cost that fits the budget (at
-    most what ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over
-    ranks, is then tried in one pass beside a stand-in of that state, and
-    cut to three quarters while the pass fails to allocate; the line through
-    the try may shrink it, or grow it with one more try (:func:`_refine`).
-    It goes to ``net.memory_plan_``. The passes leave no gradient, buffer
-    (``buffers``, restored) or random state changed.
+    callbacks keep. The loss check (``check_loss``) runs on their shapes.
+    The plan, the largest cost that fits the budget (at most what
+    ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over ranks,
+    in even pieces (:func:`even_piece_rows`), is then tried beside a
+    stand-in of that state, and cut to three quarters while the try fails
+    to allocate; the line through the try may shrink it, or grow it with
+    one more try (:func:`_refine`). It goes to ``net.memory_plan_``. The
+    passes leave no gradient, buffer (``buffers``, restored) or random
+    state changed.
 
     Skipped until a first micro-batch of 2 rows or more.
     """
