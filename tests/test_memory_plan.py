@@ -464,6 +464,9 @@ def test_plan_on_cuda_under_a_memory_fraction(clf_data):
     plan = net.memory_plan_
     assert plan['method'] == 'cuda' and plan['budget'] <= 2 ** 30
     assert 1 < plan['micro_batch_size'] < 4000
+    # the target on CUDA: the predicted peak within 10% of the
+    # first step's (max_memory_allocated)
+    assert 0.9 <= plan['predicted_peak'] / plan['measured_peak'] <= 1.1, plan
     assert not any('micro_batch_size_backoff' in row for epoch in net.history
                    for row in epoch['batches'])
     torch.manual_seed(0)
