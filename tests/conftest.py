@@ -253,9 +253,10 @@ def readme_notebook():
 # mostly): a test marked ``@background(task, ...)`` runs after the others
 # (but skorch's suite), and reads the result of each ``task``, a function
 # without arguments, with ``background_result(task)``. Two tasks at a
-# time, at a lower priority, so that the tests here keep their pace.
+# time, at the lower priority of skorch's suite (test_skorch_suite.py), so
+# that the tests here keep their pace, and the tasks theirs beside skorch's.
 BACKGROUND_PARALLEL = 2
-BACKGROUND_NICENESS = 10
+BACKGROUND_NICENESS = 5
 
 
 def _lower_thread_priority():
