@@ -283,6 +283,11 @@ class Background:
                 self.futures[task] = self.pool.submit(task)
             return self.futures[task]
 
+    def busy(self):
+        """Whether a task is running or waiting."""
+        with self.lock:
+            return not all(future.done() for future in self.futures.values())
+
     def stop(self):
         """Cancel the tasks not started; those running end on their own
         time limits (pytest waits for them as it exits)."""
@@ -410,6 +415,9 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_logfinish(nodeid, location):
     for jobs in _SKORCH_SUITE_JOBS:  # start the next job if one has ended
+        # two at a time once the background tasks are done: the core that
+        # they used would be idle
+        jobs.parallel = 1 if _BACKGROUND.busy() else 2
         jobs.poll()
 
 
