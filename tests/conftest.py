@@ -12,6 +12,9 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,14 +221,13 @@ def readme_notebook_command():
     return command, Path(shlex.split(command)[-1])
 
 
-@pytest.fixture(scope='session')
-def readme_notebook(tmp_path_factory):
-    """The README's notebook command, run once on a copy of the notebook,
-    with jupyter from this environment (test_readme.py checks the command,
+def run_readme_notebook():
+    """The README's notebook command, run on a copy of the notebook, with
+    jupyter from this environment (test_readme.py checks the command,
     test_notebooks.py what the notebook showed): the command's process and
     the executed copy (``--inplace`` writes the outputs into it)."""
     command, notebook = readme_notebook_command()
-    folder = tmp_path_factory.mktemp('readme_notebook')
+    folder = Path(background_folder('readme_notebook'))
     (folder / notebook.parent).mkdir(parents=True)
     shutil.copy(ROOT / notebook, folder / notebook)
     env = kernel_env(folder)
@@ -235,6 +237,91 @@ def readme_notebook(tmp_path_factory):
                           capture_output=True, text=True, timeout=840)
     return SimpleNamespace(proc=proc, notebook=notebook,
                            executed=folder / notebook)
+
+
+@pytest.fixture
+def readme_notebook():
+    """What :func:`run_readme_notebook` ran, once for the session, in the
+    background; a test that asks for it has the mark
+    ``background(run_readme_notebook)``."""
+    return background_result(run_readme_notebook)
+
+
+# Work that the tests start in processes and wait for (notebooks, benchmark
+# runs, torchrun launches) runs in the background from the collection's
+# end, beside the tests that run in this process (they use one core
+# mostly): a test marked ``@background(task, ...)`` runs after the others
+# (but skorch's suite), and reads the result of each ``task``, a function
+# without arguments, with ``background_result(task)``. Two tasks at a
+# time, at the lower priority of skorch's suite (test_skorch_suite.py), so
+# that the tests here keep their pace, and the tasks theirs beside skorch's.
+BACKGROUND_PARALLEL = 2
+BACKGROUND_NICENESS = 5
+
+
+def _lower_thread_priority():
+    # Linux gives each thread its own niceness, which the processes that it
+    # starts inherit: the tasks' threads, not pytest's, run lower
+    if sys.platform == 'linux':
+        os.nice(BACKGROUND_NICENESS)
+
+
+class Background:
+    """The tasks under way: a future for each."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(BACKGROUND_PARALLEL,
+                                       thread_name_prefix='background',
+                                       initializer=_lower_thread_priority)
+        self.futures = {}
+        self.lock = threading.Lock()
+        self.folder = None
+
+    def start(self, task):
+        with self.lock:
+            if task not in self.futures:
+                self.futures[task] = self.pool.submit(task)
+            return self.futures[task]
+
+    def busy(self):
+        """Whether a task is running or waiting."""
+        with self.lock:
+            return not all(future.done() for future in self.futures.values())
+
+    def stop(self):
+        """Cancel the tasks not started; those running end on their own
+        time limits (pytest waits for them as it exits)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_BACKGROUND = Background()
+
+
+def background(*tasks):
+    """The mark of a test that reads the results of ``tasks``."""
+    # with_args: a lone function would be taken for the marked test
+    return pytest.mark.background.with_args(*tasks)
+
+
+def background_result(task):
+    """The result of ``task``, started now if it was not (the test ran
+    alone, say); what it raised is raised here."""
+    return _BACKGROUND.start(task).result()
+
+
+def background_folder(name):
+    """A new folder for a task's files, removed when the session ends."""
+    with _BACKGROUND.lock:
+        if _BACKGROUND.folder is None:
+            _BACKGROUND.folder = tempfile.mkdtemp(prefix='pytest-background-')
+    return Path(tempfile.mkdtemp(prefix=name + '-', dir=_BACKGROUND.folder))
+
+
+def _background_tasks(item):
+    return [task for mark in item.iter_markers('background')
+            for task in mark.args]
 
 
 # FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
@@ -263,6 +350,10 @@ def has_fsdp2():
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        'markers', 'background(*tasks): the test reads the results of tasks '
+        'that run in the background from the end of the collection '
+        '(conftest.py); it runs after the tests without the mark')
     if not has_fsdp2():
         collect_ignore.extend(NEEDS_FSDP2)
         # the package's module, collected for its doctests, is outside
@@ -293,8 +384,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     # skorch's suite runs in processes of their own, started when the
     # collection ends (pytest_collection_finish) beside the rest of the
-    # suite; its tests, which wait for them, run last
-    items.sort(key=lambda item: _module_name(item) == 'test_skorch_suite')
+    # suite; its tests, which wait for them, run last, and those that wait
+    # for background tasks before them
+    items.sort(key=lambda item: (_module_name(item) == 'test_skorch_suite',
+                                 bool(_background_tasks(item))))
 
 
 def _module_name(item):
@@ -307,17 +400,28 @@ _SKORCH_SUITE_JOBS = []
 
 
 def pytest_collection_finish(session):
+    if session.config.option.collectonly or (
+            session.testsfailed
+            and not session.config.option.continue_on_collection_errors):
+        return  # no test will run
+    for item in session.items:  # in the order their tests run
+        for task in _background_tasks(item):
+            _BACKGROUND.start(task)
     items = [item for item in session.items
              if _module_name(item) == 'test_skorch_suite']
-    if items and not session.config.option.collectonly:
+    if items:
         _SKORCH_SUITE_JOBS.append(items[0].module.start_jobs(items))
 
 
 def pytest_runtest_logfinish(nodeid, location):
     for jobs in _SKORCH_SUITE_JOBS:  # start the next job if one has ended
+        # two at a time once the background tasks are done: the core that
+        # they used would be idle
+        jobs.parallel = 1 if _BACKGROUND.busy() else 2
         jobs.poll()
 
 
 def pytest_sessionfinish(session, exitstatus):
     for jobs in _SKORCH_SUITE_JOBS:  # after an interruption, say
         jobs.stop()
+    _BACKGROUND.stop()

@@ -1,8 +1,9 @@
 """Smoke test of the benchmark suite (``python -m benchmarks.run``).
 
-Runs the whole suite once at its ``--quick`` sizes and checks that the JSON,
-the Markdown and the PNG are written and well-formed, and that the numbers
-are right in kind: GradAcc matches the large-batch net, the FAQ recipe and
+Runs the whole suite once at its ``--quick`` sizes, in a process of its own
+in the background from the collection's end (conftest.py), and checks that
+the JSON, the Markdown and the PNG are written and well-formed, and that the
+numbers are right in kind: GradAcc matches the large-batch net, the FAQ recipe and
 Accelerate do not. Speed is never asserted: it depends on the machine.
 """
 
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import background, background_folder, background_result
 
 # the suite compares against AccelerateMixin and draws its plots
 pytest.importorskip('accelerate')
@@ -30,10 +33,37 @@ from benchmarks.suite import CONTENDERS, RSS_CONTENDERS  # noqa: E402
 MODELS = ('mlp', 'cnn', 'transformer')
 
 
+def python_m(module, *args):
+    """``python -m module ARGS`` in a fresh interpreter, here, as documented;
+    the checkout first on its path."""
+    return subprocess.run(
+        [sys.executable, '-m', module, *args], cwd=ROOT, capture_output=True,
+        text=True, timeout=600, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))))
+
+
+def run_quick_suite():
+    """``python -m benchmarks.run --quick``, in the background from the
+    collection's end (conftest.py): its process and output folder."""
+    folder = background_folder('benchmarks')
+    return python_m('benchmarks.run', '--quick', '--out', str(folder)), folder
+
+
+def run_memory_plan_quick():
+    """``python -m benchmarks.memory_plan --quick``, as :func:`run_quick_suite`
+    (its fork server imports transformers once, not once per fit)."""
+    folder = background_folder('memory_plan')
+    return python_m('benchmarks.memory_plan', '--quick', '--out',
+                    str(folder)), folder
+
+
+QUICK_SUITE = background(run_quick_suite)
+
+
 @pytest.fixture(scope='module')
-def out(tmp_path_factory):
-    folder = tmp_path_factory.mktemp('benchmarks')
-    assert run.main(['--quick', '--out', str(folder)]) == 0
+def out():
+    proc, folder = background_result(run_quick_suite)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return folder
 
 
@@ -49,6 +79,7 @@ def assert_summary(summary, n=None):
         assert summary['n'] == n
 
 
+@QUICK_SUITE
 class TestOutputs:
     def test_files_written(self, out):
         assert sorted(path.name for path in out.iterdir()) == [
@@ -93,6 +124,7 @@ class TestOutputs:
             assert target['measured']
 
 
+@QUICK_SUITE
 class TestOverhead:
     def test_every_contender_timed_every_round(self, results):
         for model in MODELS:
@@ -118,6 +150,7 @@ class TestOverhead:
                 assert sum(part[i] for part in parts) == pytest.approx(total)
 
 
+@QUICK_SUITE
 class TestExactness:
     @pytest.mark.parametrize('model', MODELS)
     def test_gradacc_is_the_large_batch(self, results, model):
@@ -143,6 +176,7 @@ class TestExactness:
             assert entry[kind]['control_k1_max_param_diff'] == 0.0, kind
 
 
+@QUICK_SUITE
 class TestMemory:
     def test_activation_memory_is_that_of_the_micro_batch(self, results):
         for model in MODELS:
@@ -162,6 +196,7 @@ class TestMemory:
                 assert entry['group_input_kib'] > 0
 
 
+@QUICK_SUITE
 class TestScaling:
     def test_shapes(self, results):
         by_k = results['scaling']['by_k']['mlp']
@@ -329,17 +364,12 @@ def test_largest_fitting_bisects_to_the_tolerance():
     assert largest_fitting(lambda n: False, 500, 1000) == (0, 1)
 
 
-def test_memory_plan_quick_run(tmp_path):
-    # a fresh interpreter, as documented: its fork server imports transformers
-    # once, not once per fit
-    proc = subprocess.run(
-        [sys.executable, '-m', 'benchmarks.memory_plan', '--quick', '--out',
-         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))))
+@background(run_memory_plan_quick)
+def test_memory_plan_quick_run():
+    proc, folder = background_result(run_memory_plan_quick)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from benchmarks import memory_plan
-    results = json.loads((tmp_path / 'memory_plan.json').read_text())
+    results = json.loads((folder / 'memory_plan.json').read_text())
     for name, (batch_size, _, budgets) in memory_plan.QUICK.items():
         entry = results['workloads'][name]
         assert list(entry['budgets']) == [str(budget) for budget in budgets]
@@ -354,8 +384,8 @@ def test_memory_plan_quick_run(tmp_path):
                 assert error is None or "can't allocate memory" in error
     # the cap holds: plain skorch at the large batch fails under it
     assert "can't allocate memory" in results['target']['plain_error']
-    assert (tmp_path / 'memory_plan.md').read_text() == memory_plan.markdown(results)
-    assert (tmp_path / 'memory_plan.csv').read_text().splitlines() == [
+    assert (folder / 'memory_plan.md').read_text() == memory_plan.markdown(results)
+    assert (folder / 'memory_plan.csv').read_text().splitlines() == [
         ','.join(map(str, row)) for row in memory_plan.tables(results)['memory_plan']]
 
 

@@ -5,8 +5,15 @@ torchrun starts tests/torchrun_scripts/checkpoint_worker.py: a regressor on
 and ``LoadInitState``. The oracle is plain skorch in one process at the
 large batch, ``8 * acc_steps * world_size = 48`` rows, trained without
 interruption.
+
+Each test's launches depend on each other (they resume from the files of
+the one before), but not on another test's: they run in turn, as a task in
+the background from the collection's end (conftest.py), and the test reads
+what they left.
 """
 
+import functools
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +24,15 @@ from skorch.dataset import Dataset
 from skorch.helper import predefined_split
 from torchrun_launch import assert_launch_succeeded, launch
 
-from conftest import PARAM_ATOL, MLPRegressor, RecordParams, regression_data
+from conftest import (
+    PARAM_ATOL,
+    MLPRegressor,
+    RecordParams,
+    background,
+    background_folder,
+    background_result,
+    regression_data,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +49,73 @@ FRESH_STORE = {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
 
 def run_ranks(out_dir, engine, nproc, acc_steps, epochs, mode='train',
               options=('--standalone',), env=None):
-    # a launch for each fit: they resume, restart, change the world size
+    """A launch for one fit (they resume, restart, change the world size):
+    each rank's results, or the launch if it failed."""
     run = launch(WORKER, out_dir, out_dir, engine, acc_steps, epochs, mode,
                  nproc=nproc, options=options, env=env, timeout=TIME_LIMIT)
-    assert_launch_succeeded(run)
+    if run.returncode != 0 or run.timed_out:
+        return run
     return [torch.load(out_dir / 'rank{}.pt'.format(rank), weights_only=False)
             for rank in range(nproc)]
+
+
+def ranks_of(result):
+    """The ranks' results of a launch that succeeded, or the test fails."""
+    if not isinstance(result, list):
+        assert_launch_succeeded(result)
+    return result
+
+
+def run_in_turn(name):
+    """The fits of ``LAUNCHES[name]`` (``run_ranks``' arguments) in turn, on
+    the same files; after each, its ranks' results and a copy of the
+    checkpoint (the next one changes it). It stops at a launch that failed."""
+    out_dir = background_folder('checkpoints') / name
+    out_dir.mkdir()
+    done = []
+    for i, (args, kwargs) in enumerate(LAUNCHES[name]):
+        result = run_ranks(out_dir, *args, **kwargs)
+        if not isinstance(result, list):
+            return done + [(result, None)]
+        copy = out_dir.parent / '{}-cp{}'.format(name, i)
+        shutil.copytree(out_dir / 'cp', copy)
+        done.append((result, copy))
+    return done
+
+
+def fit(*args, **kwargs):
+    return args, kwargs
+
+
+# the launches of each test, in turn
+RESTART = dict(mode='crash', options=RESTARTS, env=FRESH_STORE)
+LAUNCHES = {
+    # DDP, 2 ranks, for 2 epochs; FSDP at 3 ranks resumes for a third; and
+    # back, DDP at 2 ranks for a fourth
+    'anywhere': [fit('ddp', 2, 3, 2, mode='rank0'),
+                 fit('fsdp', 3, 2, 3, mode='rank0'), fit('ddp', 2, 3, 4)],
+    'restart-ddp': [fit('ddp', 2, 3, 5, **RESTART)],
+    'restart-fsdp': [fit('fsdp', 2, 3, 5, **RESTART)],
+    'shuffle-restart': [fit('ddp', 2, 3, 5, mode='crash_shuffle',
+                            options=RESTARTS, env=FRESH_STORE)],
+    'shuffle-once': [fit('ddp', 2, 3, 5, mode='train_shuffle')],
+}
+TASKS = {name: functools.partial(run_in_turn, name) for name in LAUNCHES}
+
+
+def launched(*names):
+    """The mark of a test that reads the launches of ``names``."""
+    return background(*(TASKS[name] for name in names))
+
+
+def results(name):
+    """The results of the launches of ``name``: each one's ranks and a copy
+    of its checkpoint; the test fails at a launch that failed."""
+    done = background_result(TASKS[name])
+    for result, _ in done:
+        ranks_of(result)
+    assert len(done) == len(LAUNCHES[name])
+    return done
 
 
 def plain_net(**kwargs):
@@ -89,10 +165,13 @@ def written(rank):
             if name.endswith('.tmp')]
 
 
-def test_checkpoints_load_anywhere_and_back(tmp_path, oracle):
+@launched('anywhere')
+def test_checkpoints_load_anywhere_and_back(oracle):
     # DDP, 2 ranks: Checkpoint every epoch, then the habit
     # `if rank == 0: net.save_params(...)`, which needs no collective
-    ranks = run_ranks(tmp_path, 'ddp', 2, 3, 2, mode='rank0')
+    (ranks, cp), (fsdp_ranks, fsdp_cp), (last_ranks, last_cp) = results(
+        'anywhere')
+    out_dir = cp.parent / 'anywhere'
     # each file of each epoch's checkpoint once, under a temporary name,
     # from rank 0; each rank writes its own random state
     for rank in range(2):
@@ -102,50 +181,47 @@ def test_checkpoints_load_anywhere_and_back(tmp_path, oracle):
             + [own] * 2 + ['rank0_' + own] * (rank == 0)
             + ['rank0_params.pt'] * (rank == 0))
     assert ranks[0]['error'] is None
-    assert not list(tmp_path.glob('**/*.tmp'))  # all renamed
-    cp = tmp_path / 'cp'
+    assert not list(out_dir.glob('**/*.tmp'))  # all renamed
     plain = load_plain(cp)  # DDP's files load into a plain net
     assert_matches_oracle(plain, oracle, 2)
-    rank0 = torch.load(tmp_path / 'rank0_params.pt')
+    rank0 = torch.load(out_dir / 'rank0_params.pt')
     assert set(rank0) == set(plain.module_.state_dict())  # no 'module.'
 
     # FSDP at 3 ranks resumes from DDP's files for a third epoch; the
     # habit `if rank == 0` now raises, naming the ranks that did not come
-    ranks = run_ranks(tmp_path, 'fsdp', 3, 2, 3, mode='rank0')
-    assert 'rank(s) [1, 2] did not call it' in ranks[0]['error']
-    assert all(len(rank['history']) == 3 for rank in ranks)
-    assert_matches_oracle(load_plain(cp), oracle, 3)
+    assert 'rank(s) [1, 2] did not call it' in fsdp_ranks[0]['error']
+    assert all(len(rank['history']) == 3 for rank in fsdp_ranks)
+    assert_matches_oracle(load_plain(fsdp_cp), oracle, 3)
 
     # and back: DDP at 2 ranks resumes from FSDP's files for a fourth
-    ranks = run_ranks(tmp_path, 'ddp', 2, 3, 4)
-    assert_matches_oracle(load_plain(cp), oracle, 4)
+    assert_matches_oracle(load_plain(last_cp), oracle, 4)
     # rank 0 saved slowly; every rank's load_params waited for its file
-    for rank in ranks:
+    for rank in last_ranks:
         for key, value in rank['params'].items():
             assert torch.equal(rank['loaded'][key], value)
 
 
-@pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
-def test_a_restart_resumes_as_if_uninterrupted(tmp_path, oracle, engine):
+@pytest.mark.parametrize('engine', [
+    pytest.param('ddp', marks=launched('restart-ddp')),
+    pytest.param('fsdp', marks=launched('restart-fsdp'))])
+def test_a_restart_resumes_as_if_uninterrupted(oracle, engine):
     # rank 1 dies in epoch 4; torchrun restarts both ranks, LoadInitState
     # resumes from epoch 3's checkpoint, and fit trains the 2 epochs left
-    ranks = run_ranks(tmp_path, engine, 2, 3, 5, mode='crash',
-                      options=RESTARTS, env=FRESH_STORE)
+    [(ranks, cp)] = results('restart-' + engine)
     assert [rank['restart'] for rank in ranks] == [1, 1]
     assert all(len(rank['history']) == 5 for rank in ranks)
-    assert_matches_oracle(load_plain(tmp_path / 'cp'), oracle, 5)
+    assert_matches_oracle(load_plain(cp), oracle, 5)
 
 
-def test_a_restart_with_shuffling_and_dropout_is_exact(tmp_path):
+@launched('shuffle-restart', 'shuffle-once')
+def test_a_restart_with_shuffling_and_dropout_is_exact():
     # every rank's random state is in the checkpoint (its own file) and
     # LoadInitState restores it: the restarted run shuffles and drops out
     # as the uninterrupted one does (without: 2.2e-1 off)
-    ranks = run_ranks(tmp_path / 'restart', 'ddp', 2, 3, 5,
-                      mode='crash_shuffle', options=RESTARTS, env=FRESH_STORE)
+    [(ranks, _)] = results('shuffle-restart')
     assert [rank['restart'] for rank in ranks] == [1, 1]
     assert [len(rank['history']) for rank in ranks] == [5, 5]
-    uninterrupted = run_ranks(tmp_path / 'once', 'ddp', 2, 3, 5,
-                              mode='train_shuffle')
+    [(uninterrupted, _)] = results('shuffle-once')
     for rank, expected in zip(ranks, uninterrupted):
         for key, value in expected['params'].items():
             torch.testing.assert_close(rank['params'][key], value, rtol=0,

@@ -28,6 +28,9 @@ from conftest import (
     PARAM_ATOL,
     MLPClassifier,
     assert_same_history,
+    background,
+    background_folder,
+    background_result,
     fit_seeded,
     make_nets,
     max_param_diff,
@@ -417,31 +420,50 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
-def test_trains_under_a_cap_where_the_large_batch_fails(tmp_path):
-    script = tmp_path / 'child.py'
+CAP = 100 * 2 ** 20  # above the size after initialize()
+
+
+def run_children():
+    """CHILD's three fits, each in a process of its own and at once, in the
+    background from the collection's end (conftest.py): plain skorch and
+    'auto' under the cap, and plain skorch without one. Each one's process,
+    stdout, stderr and results file."""
+    folder = background_folder('memory_cap')
+    script = folder / 'child.py'
     script.write_text(CHILD)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536',
                PYTHONPATH=os.pathsep.join(sys.path))
-    cap = 100 * 2 ** 20  # above the size after initialize()
 
-    def run(kind, cap):
-        path = tmp_path / (kind + str(cap) + '.pt')
-        result = subprocess.run(
+    def start(kind, cap):
+        path = folder / (kind + str(cap) + '.pt')
+        proc = subprocess.Popen(
             [sys.executable, str(script), kind, str(cap), str(path)], env=env,
-            capture_output=True, text=True, timeout=300)
-        return result, path
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return proc, path
 
-    result, _ = run('plain', cap)
-    assert result.returncode == 3, result.stderr
-    assert CPU_ALLOCATOR_ERROR in result.stdout
-    result, auto_path = run('auto', cap)
-    assert result.returncode == 0, result.stdout + result.stderr
-    result, plain_path = run('plain', 0)
-    assert result.returncode == 0, result.stdout + result.stderr
+    procs = [start('plain', CAP), start('auto', CAP), start('plain', 0)]
+    try:
+        return [(proc, *proc.communicate(timeout=300), path)
+                for proc, path in procs]
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@background(run_children)
+def test_trains_under_a_cap_where_the_large_batch_fails():
+    (plain_capped, out, err, _), (auto_run, auto_out, auto_err, auto_path), (
+        plain_run, plain_out, plain_err, plain_path) = background_result(
+            run_children)
+    assert plain_capped.returncode == 3, err
+    assert CPU_ALLOCATOR_ERROR in out
+    assert auto_run.returncode == 0, auto_out + auto_err
+    assert plain_run.returncode == 0, plain_out + plain_err
     auto, plain = torch.load(auto_path), torch.load(plain_path)
     plan = auto['plan']
-    assert plan['budget'] < cap  # read from RLIMIT_AS
+    assert plan['budget'] < CAP  # read from RLIMIT_AS
     assert 1 < plan['micro_batch_size'] < 8192
     assert auto['backoffs'] == [None, None]  # no attempt failed
     for key, value in auto['params'].items():

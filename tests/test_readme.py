@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import has_fsdp2
+from conftest import background, has_fsdp2, run_readme_notebook
 
 ROOT = Path(__file__).parent.parent
 README = ROOT / 'README.md'
@@ -95,6 +95,7 @@ def test_no_project_url_of_another_project():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@background(run_readme_notebook)
 def test_notebook_command_runs(readme_notebook):
     # the README's command, on a copy of the notebook, in the test
     # environment (conftest.py; test_notebooks.py checks its outputs)

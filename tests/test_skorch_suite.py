@@ -50,8 +50,9 @@ MIN_PASSED = {'plain': 290, 'stream': 800, 'acc2': 500}
 # in a process that ran no other file before it, so that a module-scoped
 # fixture such as TestNeuralNet's net_fit is trained from the same random
 # state in every run. They start when the suite's collection ends, one at a
-# time while the rest of the suite runs (it uses one core mostly), and two
-# at a time once the tests here wait for them (they run last; conftest.py).
+# time while the rest of the suite runs (it uses one core mostly, its
+# background tasks the other), and two at a time once those tasks are done
+# or the tests here wait for them (they run last; conftest.py).
 JOBS = [('stream', ['test_net.py']), ('plain', ['test_net.py']),
         ('stream', ['callbacks']), ('acc2', ['callbacks']),
         ('stream', ['test_classifier.py', 'test_regressor.py',
