@@ -112,8 +112,9 @@ def track_activation_memory():
 # and the error of the measurement
 PLAN_MARGIN = 0.1
 
-# the measured passes at each of the plan's two sizes
-PLAN_REPEATS = 2
+# the measured passes at each of the plan's two sizes: more give a steadier
+# peak for a longer plan
+PLAN_REPEATS = 1
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
@@ -439,11 +440,11 @@ def plan_memory(net, group, buffers, **fit_params):
     """Plan the pieces of ``micro_batch_size='auto'`` before the first step.
 
     Forward and backward passes on the first rows of the group's first
-    micro-batch, at a sixteenth of it and twice that, :data:`PLAN_REPEATS`
-    times each after a warm-up pass, fit ``peak = fixed + slope * cost``
-    (:func:`batch_cost`); ``fixed`` adds the optimizer state of the first
-    step (:func:`optimizer_state_bytes`) and what the group and the
-    callbacks keep. The loss check (``check_loss``) runs on their shapes.
+    micro-batch, at a sixteenth of it and twice that, once each
+    (:data:`PLAN_REPEATS`) after a warm-up pass, fit ``peak = fixed +
+    slope * cost`` (:func:`batch_cost`); ``fixed`` adds the optimizer
+    state of the first step (:func:`optimizer_state_bytes`) and what the
+    group and the callbacks keep. The loss check (``check_loss``) runs on their shapes.
     The plan, the largest cost that fits the budget (at most what
     ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over ranks,
     in even pieces (:func:`even_piece_rows`), is then tried beside a
@@ -476,7 +477,9 @@ def plan_memory(net, group, buffers, **fit_params):
         # on the larger pass's piece and its halves, the smaller's shape:
         # what the check maps (oneDNN's code for a new shape) is counted in
         # the address space read next, not met by the first step
+        checking = time.perf_counter()
         net._check_loss_on(split_batch(first, trials[1][0])[0], **fit_params)
+        check_seconds = time.perf_counter() - checking
         meter.reset()  # malloc hands back what the passes freed
         left = _address_space_left() if device.type == 'cpu' else None
         if left is not None and budget is not None:
@@ -521,7 +524,9 @@ def plan_memory(net, group, buffers, **fit_params):
         'slope': slope,
         'predicted_peak': predicted,
         'measured_peak': None,
-        'plan_seconds': time.perf_counter() - start,
+        # the loss check's, which a fit runs without a plan too, left out
+        'plan_seconds': time.perf_counter() - start - check_seconds,
+        'loss_check_seconds': check_seconds,
         'method': meter.method,
         'trials': [(cost_1, peak_1), (cost_2, peak_2)],
         'passes': meter.windows,
@@ -559,8 +564,9 @@ def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
     grown = even_piece_rows(rows, grown)
     if grown < planned:  # the try took more than the passes said
         return grown, cost, fixed, slope_t
-    # once, and only where it saves a pass: each try costs one
-    if -(-rows // grown) < -(-rows // planned) and _try(
+    # once, and only where it saves a pass (even pieces: larger ones are
+    # fewer): each try costs one
+    if grown > planned and _try(
             net, engine, meter, first, grown, reserve, buffers,
             **fit_params) is not None:
         # no more than the try passed where it took whole batches
@@ -700,17 +706,29 @@ def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
     """Return the peak of a pass on ``rows`` rows beside ``reserve`` bytes.
 
     And of a pass on the last piece of ``first`` in pieces of ``rows``,
-    where its rows differ on some rank: a cap counts the code of each new
-    shape (oneDNN's). None where a pass fails to allocate, on any rank.
+    where its rows differ on some rank and the module has convolutions: a
+    cap counts the code oneDNN compiles for each of their new shapes (a
+    smaller piece of matrix products takes no more). None where a pass
+    fails to allocate, on any rank.
     """
     pieces = split_batch(first, rows)
-    last = pieces[-1] if batch_len(pieces[-1]) != rows else None
+    last = pieces[-1] if (batch_len(pieces[-1]) != rows
+                          and _has_convolutions(net.module_)) else None
     # the same passes on every rank, for the collectives of each
     pieces = pieces[:1] + ([] if engine.all_ranks(last is None)
                            else [pieces[0] if last is None else last])
     results = _passes(net, engine, [(piece, meter) for piece in pieces],
                       buffers, reserve, **fit_params)
     return None if None in results else max(peak for _, peak, _ in results)
+
+
+_CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                 torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
+                 torch.nn.ConvTranspose3d)
+
+
+def _has_convolutions(module):
+    return any(isinstance(layer, _CONVOLUTIONS) for layer in module.modules())
 
 
 def _trial(net, engine, meter, piece, **fit_params):
@@ -777,17 +795,20 @@ def _state_bytes(cls, settings, param):
 _OUT_OF_MEMORY_ERRORS = (torch.cuda.OutOfMemoryError,) + (
     (torch.OutOfMemoryError,) if hasattr(torch, 'OutOfMemoryError') else ())
 
-# in the RuntimeError of torch's CPU allocator when malloc fails, and of
-# oneDNN when a convolution's workspace cannot be allocated
+# in the RuntimeError of torch's CPU allocator when malloc fails, of
+# oneDNN when a convolution's workspace cannot be allocated, and of C++'s
+# new (autograd's engine, under RLIMIT_AS)
 CPU_ALLOCATOR_ERROR = "DefaultCPUAllocator: can't allocate memory"
 ONEDNN_ERROR = 'could not create a primitive'
+CPP_ALLOCATION_ERROR = 'std::bad_alloc'
 
 
 def is_out_of_memory(error):
     """Whether ``error`` is an allocation failure of CUDA or the CPU.
 
-    CUDA's out-of-memory error, or a RuntimeError of torch's CPU allocator
-    or of oneDNN (``could not create a primitive``).
+    CUDA's out-of-memory error, or a RuntimeError of torch's CPU allocator,
+    of oneDNN (``could not create a primitive``) or of C++
+    (``std::bad_alloc``).
 
     Examples
     --------
@@ -798,8 +819,8 @@ def is_out_of_memory(error):
     """
     return isinstance(error, _OUT_OF_MEMORY_ERRORS) or (
         isinstance(error, RuntimeError)
-        and any(text in str(error) for text in (CPU_ALLOCATOR_ERROR,
-                                                ONEDNN_ERROR)))
+        and any(text in str(error) for text in (
+            CPU_ALLOCATOR_ERROR, ONEDNN_ERROR, CPP_ALLOCATION_ERROR)))
 
 
 def backs_off(error):

@@ -158,8 +158,9 @@ class GradAccMixin:
       With ``micro_batch_size='auto'``, the plan made before the first
       step: ``'budget'``, ``'micro_batch_size'``, ``'max_cost'`` (of a
       piece, in ``'unit'``), ``'predicted_peak'``, ``'measured_peak'``
-      (bytes, over the first step), ``'plan_seconds'``, ``'passes'`` (its
-      forward and backward passes) and the fit's terms.
+      (bytes, over the first step), ``'plan_seconds'`` (the loss check's
+      apart, ``'loss_check_seconds'``), ``'passes'`` (its forward and
+      backward passes) and the fit's terms.
 
     grad_scaler_ : torch.amp.GradScaler or None
       The GradScaler of ``mixed_precision='fp16'``.

@@ -379,6 +379,10 @@ def test_memory_plan_quick_run():
             assert 0 < plan['budget'] <= int(budget) * 2 ** 20
             assert 1 <= plan['micro_batch_size'] <= batch_size
             assert plan['predicted_peak'] > 0 and plan['plan_seconds'] > 0
+            # the plan's line at the largest piece that trained
+            assert fit['largest_piece_cost'] > 0
+            assert fit['predicted_peak'] == int(
+                plan['fixed'] + plan['slope'] * fit['largest_piece_cost'])
             assert fit['peak_mib'] > 0 and fit['probes']
             for error in fit['probes'].values():  # fits or fails for memory
                 assert error is None or "can't allocate memory" in error

@@ -14,6 +14,7 @@ from skorch import NeuralNetClassifier
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.engine import Engine
 from skorch_gradacc.memory import (
+    CPP_ALLOCATION_ERROR,
     CPU_ALLOCATOR_ERROR,
     ONEDNN_ERROR,
     PLAN_MARGIN,
@@ -172,6 +173,7 @@ class TestPlan:
         # within the margin, or half of it after a second try
         assert 0 < plan['predicted_peak'] <= (1 - PLAN_MARGIN / 2) * plan['budget']
         assert plan['measured_peak'] > 0 and plan['plan_seconds'] > 0
+        assert plan['loss_check_seconds'] > 0  # the check ran in the plan
         first = auto.history[0, 'batches', 0]
         assert first['memory_plan_predicted'] == plan['predicted_peak']
         assert first['memory_plan_measured'] == plan['measured_peak']
@@ -338,10 +340,12 @@ class TestCPUAllocatorError:
         assert plan['max_cost'] == 10 * acc_net.micro_batch_size_
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
-    def test_onednn_error_is_an_allocation_failure(self):
-        # what oneDNN raises when a convolution's memory cannot be allocated
+    def test_cpu_errors_are_allocation_failures(self):
+        # what oneDNN raises when a convolution's memory cannot be allocated,
+        # and torch for a C++ new that fails (autograd's engine, under a cap)
         assert is_out_of_memory(RuntimeError(ONEDNN_ERROR))
         assert is_out_of_memory(RuntimeError(CPU_ALLOCATOR_ERROR))
+        assert is_out_of_memory(RuntimeError(CPP_ALLOCATION_ERROR))
         assert not is_out_of_memory(RuntimeError('shapes do not match'))
         assert not is_out_of_memory(ValueError(ONEDNN_ERROR))
 

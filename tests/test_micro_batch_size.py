@@ -23,6 +23,8 @@ from conftest import (
 # the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, the loss
 # check's three (on the larger size and its halves), its try
 PLAN_PASSES = 2 + 2 * PLAN_REPEATS + 3
+# their rows in batches of 32: the passes on 2 and 4, the check's on 4 and 2
+BEFORE_TRIES = [2] + [2, 4] * PLAN_REPEATS + [4, 2, 2]
 
 
 class CappedMLP(MLPClassifier):
@@ -41,6 +43,18 @@ class CappedMLP(MLPClassifier):
         if len(X) > self.max_rows and len(self.rows_) > self.fails_from:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
+
+
+class CappedConvMLP(CappedMLP):
+    """CappedMLP after a convolution (of one channel, kernel 1): the plan
+    tries its last pieces too."""
+
+    def __init__(self, max_rows=1000, fails_from=0):
+        super().__init__(max_rows, fails_from)
+        self.conv = torch.nn.Conv1d(1, 1, 1, dtype=self.hidden.weight.dtype)
+
+    def forward(self, X):
+        return super().forward(self.conv(X[:, None, :])[:, 0])
 
 
 def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,
@@ -123,8 +137,8 @@ class TestAutoMicroBatchSize:
         # the plan); then the first step's 32 rows fail, 16 fail, 8 fit;
         # remembered for the rest of training
         assert acc_net.micro_batch_size_ == 8
-        assert acc_net.module_.rows_[:12] == [
-            2, 2, 4, 2, 4, 4, 2, 2, 32, 32, 16, 8]
+        assert acc_net.module_.rows_[:PLAN_PASSES + 3] == BEFORE_TRIES + [
+            32, 32, 16, 8]
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
         backoffs = acc_net.history[:, 'batches', :, 'micro_batch_size_backoff']
         # in the first batch's row only (skorch leaves out epochs without it)
@@ -137,12 +151,12 @@ class TestAutoMicroBatchSize:
         acc_net, plain_net = micro_nets('auto', module__max_rows=10)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:12] == [
-            2, 2, 4, 2, 4, 4, 2, 2, 32, 16, 11, 8]
+        assert acc_net.module_.rows_[:PLAN_PASSES + 3] == BEFORE_TRIES + [
+            32, 16, 11, 8]
         # the line through the try (no budget: no limit) lets up to 10 rows
         # through, as many pieces of the 32 as 8: no more tries, training
-        assert acc_net.memory_plan_['passes'] == 5 + 4
-        assert acc_net.module_.rows_[12] == 8
+        assert acc_net.memory_plan_['passes'] == 1 + 2 * PLAN_REPEATS + 4
+        assert acc_net.module_.rows_[PLAN_PASSES + 3] == 8
         assert acc_net.memory_plan_['micro_batch_size'] == 8
         assert acc_net.memory_plan_['max_cost'] == 8 * 10  # 10 features
         assert acc_net.micro_batch_size_ == 8
@@ -155,11 +169,12 @@ class TestAutoMicroBatchSize:
         # quarters in even pieces from 33 to 5, and then to 4 rows, not 3:
         # its shape ran; the try runs the last piece too, of 1 row
         acc_net, plain_net = micro_nets('auto', batch_size=33,
+                                        module=CappedConvMLP,
                                         module__max_rows=4)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:15] == [
-            2, 2, 4, 2, 4, 4, 2, 2, 33, 17, 11, 7, 5, 4, 1]
+        assert acc_net.module_.rows_[:PLAN_PASSES + 6] == BEFORE_TRIES + [
+            33, 17, 11, 7, 5, 4, 1]
         assert acc_net.memory_plan_['micro_batch_size'] == 4
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
@@ -168,16 +183,27 @@ class TestAutoMicroBatchSize:
         # 7 rows below the 8 that failed take 5 pieces, not 6: tried with
         # its last piece, fits, and training follows at 7, though the
         # budget would let through more
-        acc_net, _ = micro_nets('auto', module__max_rows=7,
-                                memory_budget='1GiB')
+        acc_net, _ = micro_nets('auto', module=CappedConvMLP,
+                                module__max_rows=7, memory_budget='1GiB')
         fit_seeded(acc_net, *clf_data)
-        assert acc_net.module_.rows_[:16] == [
-            2, 2, 4, 2, 4, 4, 2, 2, 32, 16, 11, 8, 6, 2, 7, 4]
-        assert max(acc_net.module_.rows_[16:]) == 7
+        assert acc_net.module_.rows_[:PLAN_PASSES + 7] == BEFORE_TRIES + [
+            32, 16, 11, 8, 6, 2, 7, 4]
+        assert max(acc_net.module_.rows_[PLAN_PASSES + 7:]) == 7
         assert acc_net.memory_plan_['micro_batch_size'] == 7
         assert acc_net.memory_plan_['max_cost'] == 7 * 10  # 10 features
         assert not any('micro_batch_size_backoff' in row for epoch in
                        acc_net.history for row in epoch['batches'])
+
+    def test_plan_tries_no_last_piece_of_matrix_products(self, clf_data):
+        # as above, without the convolution: a smaller piece takes no more
+        acc_net, plain_net = micro_nets('auto', module__max_rows=7)
+        acc_net.set_params(memory_budget='1GiB')
+        plain_net.set_params(module__max_rows=1000)
+        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+        assert acc_net.module_.rows_[:PLAN_PASSES + 5] == BEFORE_TRIES + [
+            32, 16, 11, 8, 6, 7]
+        assert acc_net.memory_plan_['micro_batch_size'] == 7
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1,
