@@ -411,10 +411,15 @@ def split_micro_batch(net, micro, group):
     if plan is None or plan['max_cost'] is None:
         size = net.get_micro_batch_size()
     else:
-        size = even_piece_rows(rows, max(1, int(
-            plan['max_cost'] / group.cost_per_row + 1e-9)))
+        size = even_piece_rows(rows, _rows_within(
+            plan['max_cost'], group.cost_per_row, rows))
     group.piece_rows = rows if size is None else min(size, rows)
     return [micro] if group.piece_rows >= rows else split_batch(micro, size)
+
+
+def _rows_within(cost, per_row, rows):
+    """Return the most rows, 1 to ``rows``, whose cost is at most ``cost``."""
+    return max(1, min(rows, int(cost / per_row + 1e-9)))
 
 
 def even_piece_rows(rows, size):
@@ -444,10 +449,10 @@ def plan_memory(net, group, buffers, **fit_params):
     (:data:`PLAN_REPEATS`) after a warm-up pass, fit ``peak = fixed +
     slope * cost`` (:func:`batch_cost`); ``fixed`` adds the optimizer
     state of the first step (:func:`optimizer_state_bytes`) and what the
-    group and the callbacks keep. The loss check (``check_loss``) runs on their shapes.
-    The plan, the largest cost that fits the budget (at most what
-    ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over ranks,
-    in even pieces (:func:`even_piece_rows`), is then tried beside a
+    group and the callbacks keep. The loss check (``check_loss``) runs on
+    their shapes. The plan, the largest cost that fits the budget (at most
+    what ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over
+    ranks, in even pieces (:func:`even_piece_rows`), is then tried beside a
     stand-in of that state, and cut to three quarters while the try fails
     to allocate; the line through the try may shrink it, or grow it with
     one more try (:func:`_refine`). It goes to ``net.memory_plan_``. The
@@ -497,8 +502,7 @@ def plan_memory(net, group, buffers, **fit_params):
         max_cost = largest_cost(budget, fixed, slope)
         max_cost = engine.min_over_ranks(
             _NO_LIMIT if max_cost is None else max_cost)
-        planned = even_piece_rows(rows, max(1, min(rows, int(
-            max_cost / per_row + 1e-9))))
+        planned = even_piece_rows(rows, _rows_within(max_cost, per_row, rows))
         # beside the state and what is kept, half the margin: the try shows
         # its pass, not what a cap counts of later steps (address space)
         reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
@@ -558,7 +562,7 @@ def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
               - max(0.0, peak_1 - slope * cost_1))
     cost = largest_cost(budget, fixed, slope_t, margin=PLAN_MARGIN / 2)
     cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
-    grown = max(1, min(rows, int(cost / per_row + 1e-9)))
+    grown = _rows_within(cost, per_row, rows)
     if failed is not None and grown >= failed:
         grown, cost = failed - 1, math.ceil((failed - 1) * per_row)
     grown = even_piece_rows(rows, grown)
@@ -659,9 +663,9 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
     Halves the sizes while a pass fails. The largest of each size's peaks
     counts: on the CPU, malloc takes more or less for the same tensors.
     """
-    rows = batch_len(first)
-    sizes = [max(1, rows // 16), 2 * max(1, rows // 16)]
+    small = max(1, batch_len(first) // 16)
     while True:
+        sizes = [small, 2 * small]
         order = [sizes[0]] + sizes * PLAN_REPEATS  # the first warms up
         results = _passes(net, engine, [
             (split_batch(first, size)[0], meter) for size in order],
@@ -670,9 +674,9 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
             peaks = [max(peak for (size_, peak, _) in results[1:]
                          if size_ == size) for size in sizes]
             return (list(zip(sizes, peaks)), results[-1][2] / sizes[1])
-        if sizes[0] == 1:
+        if small == 1:
             raise RuntimeError(_ONE_ROW)
-        sizes = [max(1, sizes[0] // 2), 2 * max(1, sizes[0] // 2)]
+        small //= 2
 
 
 def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
@@ -728,6 +732,7 @@ _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
 
 
 def _has_convolutions(module):
+    """Whether ``module`` has a convolution layer (oneDNN's, on the CPU)."""
     return any(isinstance(layer, _CONVOLUTIONS) for layer in module.modules())
 
 
