@@ -51,6 +51,18 @@ class MLPClassifier(torch.nn.Module):
         return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
 
 
+class ConvMLPClassifier(MLPClassifier):
+    """MLPClassifier after a convolution of one channel, kernel 1: on the
+    CPU, oneDNN compiles code for each new shape of it."""
+
+    def __init__(self, n_in=10, n_hidden=16, n_out=3, dtype=DTYPE):
+        super().__init__(n_in, n_hidden, n_out, dtype)
+        self.conv = torch.nn.Conv1d(1, 1, 1, dtype=dtype)
+
+    def forward(self, X):
+        return super().forward(self.conv(X[:, None, :])[:, 0])
+
+
 class MLPRegressor(torch.nn.Module):
     def __init__(self, n_in=10, n_hidden=16):
         super().__init__()

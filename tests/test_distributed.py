@@ -37,7 +37,12 @@ from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.memory import PLAN_REPEATS
 
-from conftest import PARAM_ATOL, MLPClassifier, classification_data
+from conftest import (
+    PARAM_ATOL,
+    ConvMLPClassifier,
+    MLPClassifier,
+    classification_data,
+)
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
 LATE_RELEASE = Path(__file__).parent / 'torchrun_scripts' / 'late_release.py'
@@ -47,7 +52,7 @@ STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
-SCENARIOS = ['samples', 'auto', 'plan', 'shuffle', 'tokens', 'bucket',
+SCENARIOS = ['samples', 'auto', 'plan', 'plan_conv', 'shuffle', 'tokens', 'bucket',
              'iterable']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
@@ -86,9 +91,9 @@ def assert_same_as_single_process(ranks, net, failed_attempts=0):
         assert rank['allreduces'] == rank['steps'] + failed_attempts
 
 
-def classifier(n_samples, **kwargs):
+def classifier(n_samples, module=MLPClassifier, **kwargs):
     X, y = classification_data(n_samples)
-    return single_process(NeuralNetClassifier, X, y, module=MLPClassifier,
+    return single_process(NeuralNetClassifier, X, y, module=module,
                           lr=0.1, optimizer__momentum=0.9, **kwargs)
 
 
@@ -149,6 +154,21 @@ def test_every_rank_takes_the_smallest_memory_plan(ddp):
         assert rank['micro_batch_size_'] == 1
     assert [rank['memory_plan_']['budget'] for rank in ranks][1] == 1
     assert_same_as_single_process(ranks, classifier(195))
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_tries_the_last_piece_of_a_convolution(ddp):
+    # only rank 1's module fails above 3 rows: the tries of 8 and 4 rows
+    # fail on every rank; 3 rows pass on both, with the last piece of the
+    # micro-batch of 8, 2 rows (a new convolution shape); no back-off
+    ranks = ddp.ranks('plan_conv')
+    passes = [1] + [1, 2] * PLAN_REPEATS
+    for rank in ranks:
+        assert rank['piece_rows'][:len(passes) + 4] == passes + [8, 4, 3, 2]
+        assert rank['micro_batch_size_'] == 3
+        assert rank['backoffs'] == [[None] * 5, [None] * 5]
+    assert_same_as_single_process(ranks, classifier(195, ConvMLPClassifier))
 
 
 @pytest.mark.slow  # torchrun

@@ -45,6 +45,7 @@ from fsdp_worker import (  # noqa: E402
     FP16TokenModel,
     MaskedMeanLoss,
     SpikyClassifier,
+    conv_classifier,
     fp16_token_data,
     masked_data,
     sequential_classifier,
@@ -56,7 +57,8 @@ WORLD_SIZE = 2
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
-             'resume', 'micro', 'auto', 'plan', 'plan_fails', 'iterable',
+             'resume', 'micro', 'auto', 'plan', 'plan_fails', 'plan_conv',
+             'iterable',
              'skip', 'masked',
              'sampler', 'fp16_tokens', 'fp16_spike']
 LAUNCH_LIMIT = 480
@@ -315,6 +317,30 @@ def test_options_match_single_process(fsdp, oracle, scenario):
                         / sum(n for n, _ in step) for step in pieces]
             merged = [loss for loss in rank['merged_losses'] if loss]
             np.testing.assert_allclose(merged, expected, rtol=1e-12)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_tries_the_last_piece_of_a_convolution(fsdp):
+    # only rank 1's module fails above 3 rows: the tries of 8 and 4 rows
+    # fail there (zero-row passes join rank 0's); 3 rows pass on both, with
+    # the last piece of the micro-batch of 8, 2 rows (a new convolution
+    # shape); no back-off
+    ranks = fsdp.ranks('plan_conv')
+    passes = [1] + [1, 2] * PLAN_REPEATS
+    assert ranks[0]['forward_rows'][:len(passes) + 5] == (
+        passes + [8, 4, 3, 2, 3])
+    assert ranks[1]['forward_rows'][:len(passes) + 7] == (
+        passes + [8, 0, 4, 0, 3, 2, 3])
+    for rank in ranks:
+        assert rank['micro_batch_size_'] == 3
+        assert rank['backoffs'] == [None] * 10
+    X, y = classification_data(N_SAMPLES)
+    net = single_process(NeuralNetClassifier, X, y, module=conv_classifier,
+                         lr=0.1)
+    assert_params_equal(torch.load(fsdp.folder('plan_conv') / 'params.pt'),
+                        net)
+    assert_losses_equal(ranks, net)
 
 
 @pytest.mark.slow  # torchrun

@@ -13,6 +13,7 @@ from skorch_gradacc.memory import PLAN_REPEATS
 
 from conftest import (
     PARAM_ATOL,
+    ConvMLPClassifier,
     MLPClassifier,
     assert_same_history,
     fit_seeded,
@@ -45,16 +46,8 @@ class CappedMLP(MLPClassifier):
         return super().forward(X)
 
 
-class CappedConvMLP(CappedMLP):
-    """CappedMLP after a convolution (of one channel, kernel 1): the plan
-    tries its last pieces too."""
-
-    def __init__(self, max_rows=1000, fails_from=0):
-        super().__init__(max_rows, fails_from)
-        self.conv = torch.nn.Conv1d(1, 1, 1, dtype=self.hidden.weight.dtype)
-
-    def forward(self, X):
-        return super().forward(self.conv(X[:, None, :])[:, 0])
+class CappedConvMLP(CappedMLP, ConvMLPClassifier):
+    """CappedMLP after a convolution: the plan tries its last pieces too."""
 
 
 def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,

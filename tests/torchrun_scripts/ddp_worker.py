@@ -19,6 +19,9 @@ Accelerate's state lives as long as the process)
   module runs out of memory above 4 rows, after the plan's passes;
 * ``plan``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1
   has a budget, of 1 byte: every rank plans pieces of 1 row.
+* ``plan_conv``: ``samples`` with ``micro_batch_size='auto'`` and a
+  convolution, where only rank 1's module runs out of memory above 3 rows:
+  every rank tries pieces of 3 and their last piece, of 2 rows.
 
 Each rank saves its parameters, history and counters to
 OUT_DIR/SCENARIO/rank{r}.pt.
@@ -53,11 +56,11 @@ from skorch_gradacc import (
 from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.memory import PLAN_REPEATS
 
-from conftest import MLPClassifier, classification_data
+from conftest import ConvMLPClassifier, MLPClassifier, classification_data
 
 BATCH_SIZE, ACC_STEPS = 8, 3
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
-             'plan': 195}
+             'plan': 195, 'plan_conv': 195}
 
 
 class CountsMicroBatches:
@@ -103,6 +106,10 @@ class CappedMLP(MLPClassifier):
         if len(X) > self.max_rows and self.calls_ > self.fails_from:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
+
+
+class CappedConvMLP(CappedMLP, ConvMLPClassifier):
+    pass
 
 
 class FailingMLP(MLPClassifier):
@@ -173,6 +180,10 @@ def make_net_and_data(scenario, rank, device):
     if scenario == 'plan':
         common.update(micro_batch_size='auto',
                       memory_budget=1 if rank == 1 else None)
+    if scenario == 'plan_conv':
+        module = CappedConvMLP
+        common.update(micro_batch_size='auto',
+                      module__max_rows=3 if rank == 1 else 1000)
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])

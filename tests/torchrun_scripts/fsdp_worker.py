@@ -24,6 +24,8 @@ after another, see worker_common.py)
   has a budget, of 1 byte: every rank plans pieces of 1 row;
 * ``plan_fails``: ``plan`` without budgets, where only rank 1's module
   runs out of memory above 4 rows: the plan's try of 8 rows fails there;
+* ``plan_conv``: ``plan_fails`` after a convolution, above 3 rows: every
+  rank tries pieces of 3 and their last piece, of 2 rows;
 * ``skip``: ``samples`` with ``skip_nonfinite=True``, where one step's
   gradient is infinite in rank 1's shard only;
 * ``iterable``: ``samples`` from an ``IterableDataset`` of micro-batches,
@@ -75,13 +77,32 @@ def sequential_classifier():
         torch.nn.Linear(16, 3, dtype=DTYPE), torch.nn.Softmax(dim=-1))
 
 
+class Conv1x1(torch.nn.Module):
+    """A convolution of one channel, kernel 1, over the features: on the
+    CPU, oneDNN compiles code for each new shape of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 1, 1, dtype=DTYPE)
+
+    def forward(self, X):
+        return self.conv(X[:, None, :])[:, 0]
+
+
+def conv_classifier():
+    """sequential_classifier after a convolution."""
+    return torch.nn.Sequential(Conv1x1(), *sequential_classifier())
+
+
 class CappedClassifier(torch.nn.Sequential):
     """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
     that cannot hold more, before any collective of the forward pass, after
-    its first ``fails_from`` passes; ``rows_``: the rows of each pass."""
+    its first ``fails_from`` passes; ``rows_``: the rows of each pass. With
+    ``conv``, conv_classifier's layers."""
 
-    def __init__(self, max_rows=1000, fails_from=0):
-        super().__init__(*sequential_classifier())
+    def __init__(self, max_rows=1000, fails_from=0, conv=False):
+        super().__init__(*(conv_classifier() if conv
+                           else sequential_classifier()))
         self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
         self.rows_ = []
 
@@ -236,10 +257,12 @@ def make_net(scenario, max_epochs=2, X=None):
     module = sequential_classifier
     if scenario == 'micro':
         common['micro_batch_size'] = 3
-    if scenario in ('auto', 'plan_fails'):
+    if scenario in ('auto', 'plan_fails', 'plan_conv'):
         module = CappedClassifier
         common['micro_batch_size'] = 'auto'
-        common['module__max_rows'] = 4 if dist.get_rank() == 1 else 1000
+        common['module__max_rows'] = 1000 if dist.get_rank() == 0 else (
+            3 if scenario == 'plan_conv' else 4)
+        common['module__conv'] = scenario == 'plan_conv'
         # 'auto': after the plan's passes (their last, at 8 rows, fits): a
         # plan that was wrong
         common['module__fails_from'] = (2 + 2 * PLAN_REPEATS
