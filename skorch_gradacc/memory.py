@@ -192,6 +192,36 @@ def _address_space_left():
         soft - size
 
 
+def compiled_code_bytes():
+    """Return the bytes of code compiled at run time, mapped in this process.
+
+    The anonymous executable mappings of ``/proc/self/maps``: oneDNN
+    compiles code for each new shape of a convolution, which a cap on the
+    address space (``RLIMIT_AS``) counts, though little of it is resident.
+    0 where the file cannot be read.
+
+    Examples
+    --------
+    >>> compiled_code_bytes() >= 0
+    True
+
+    """
+    try:
+        with open('/proc/self/maps', 'rb') as maps:
+            text = maps.read()
+    except OSError:
+        return 0
+    # one bytes object and a match per mapping of code, not an object per
+    # line: under a cap, a new arena of Python's small objects counts too
+    return sum(int(end, 16) - int(start, 16)
+               for start, end in _ANONYMOUS_CODE.findall(text))
+
+
+# start-end, permissions with x, offset, device, inode, and no file name
+_ANONYMOUS_CODE = re.compile(
+    rb'^([0-9a-f]+)-([0-9a-f]+) ..x. \S+ \S+ \S+ *$', re.MULTILINE)
+
+
 def _proc_bytes(path, key):
     """Return the ``key: N kB`` line of a /proc file in bytes, or None."""
     try:
@@ -305,7 +335,7 @@ class PeakMemory:
         self._file_start = self._file_pages()
 
     def held(self):
-        """Return the bytes allocated now above the baseline (CPU: anonymous)."""
+        """Return the bytes held now above the baseline (CPU: anonymous)."""
         return self._current(held=True) - self._held_baseline
 
     @contextlib.contextmanager
@@ -455,9 +485,11 @@ def plan_memory(net, group, buffers, **fit_params):
     ranks, in even pieces (:func:`even_piece_rows`), is then tried beside a
     stand-in of that state, and cut to three quarters while the try fails
     to allocate; the line through the try may shrink it, or grow it with
-    one more try (:func:`_refine`). It goes to ``net.memory_plan_``. The
-    passes leave no gradient, buffer (``buffers``, restored) or random
-    state changed.
+    one more try (:func:`_refine`). Under ``RLIMIT_AS``, each shape no pass
+    ran takes the code the larger pass compiled (:func:`_largest_piece_cost`),
+    and a failed try halves. It goes to ``net.memory_plan_``. The passes
+    leave no gradient, buffer (``buffers``, restored) or random state
+    changed.
 
     Skipped until a first micro-batch of 2 rows or more.
     """
@@ -477,8 +509,8 @@ def plan_memory(net, group, buffers, **fit_params):
     state = optimizer_state_bytes(net)
     with torch.random.fork_rng(
             devices=[device] if device.type == 'cuda' else []):
-        trials, out_bytes = _trials(net, engine, meter, first, buffers,
-                                    **fit_params)
+        trials, out_bytes, code = _trials(net, engine, meter, first,
+                                          buffers, **fit_params)
         # on the larger pass's piece and its halves, the smaller's shape:
         # what the check maps (oneDNN's code for a new shape) is counted in
         # the address space read next, not met by the first step
@@ -491,6 +523,9 @@ def plan_memory(net, group, buffers, **fit_params):
             # the passes map more than they hold (caches of each shape, the
             # heap): under RLIMIT_AS, what is left of it bounds the plan
             budget = min(budget, max(0, meter.held()) + left)
+        else:
+            code = 0  # compiled code is address space, little of it resident
+        code = -engine.min_over_ranks(-code)  # the same tries on every rank
         (cost_1, peak_1), (cost_2, peak_2) = [
             (size * per_row, peak) for size, peak in trials]
         slope = max(0.0, (peak_2 - peak_1) / (cost_2 - cost_1))
@@ -499,7 +534,10 @@ def plan_memory(net, group, buffers, **fit_params):
         # max(0, held): the caches and thread pools of a first pass
         fixed = (max(0.0, peak_1 - slope * cost_1) + state + kept
                  + max(0, meter.held()))
-        max_cost = largest_cost(budget, fixed, slope)
+        ran = [size for size, _ in trials]
+        piece_cost = functools.partial(_largest_piece_cost, first, budget,
+                                       code)
+        max_cost = piece_cost(fixed, slope, ran)
         max_cost = engine.min_over_ranks(
             _NO_LIMIT if max_cost is None else max_cost)
         planned = even_piece_rows(rows, _rows_within(max_cost, per_row, rows))
@@ -507,16 +545,16 @@ def plan_memory(net, group, buffers, **fit_params):
         # its pass, not what a cap counts of later steps (address space)
         reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
         tried, peak, failed = _verify(
-            net, engine, meter, first, planned, reserve, buffers,
-            ran=[size for size, _ in trials], **fit_params)
+            net, engine, meter, first, planned, reserve, buffers, ran=ran,
+            code=code, **fit_params)
         if tried < planned:
             planned, max_cost = tried, math.ceil(tried * per_row)
         if planned * per_row > cost_1:
             line = (cost_1, peak_1, planned * per_row, peak)
             planned, max_cost, fixed, slope = _refine(
-                net, engine, meter, first, line, budget, fixed, slope,
+                net, engine, meter, first, line, piece_cost, fixed, slope,
                 planned, max_cost, failed, reserve, buffers,
-                **fit_params)
+                ran=ran + sorted(_piece_shapes(rows, planned)), **fit_params)
     predicted = int(fixed + slope * planned * per_row)
     net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
@@ -532,6 +570,7 @@ def plan_memory(net, group, buffers, **fit_params):
         'plan_seconds': time.perf_counter() - start - check_seconds,
         'loss_check_seconds': check_seconds,
         'method': meter.method,
+        'code_per_shape': code,
         'trials': [(cost_1, peak_1), (cost_2, peak_2)],
         'passes': meter.windows,
     }
@@ -542,8 +581,8 @@ def plan_memory(net, group, buffers, **fit_params):
     net._memory_meter_ = meter
 
 
-def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
-            max_cost, failed, reserve, buffers, **fit_params):
+def _refine(net, engine, meter, first, line, piece_cost, fixed, slope,
+            planned, max_cost, failed, reserve, buffers, ran, **fit_params):
     """Return the plan on the line through the try and the smaller pass.
 
     The peak of a small pass falls where a gradient is added, of a large
@@ -552,15 +591,16 @@ def _refine(net, engine, meter, first, line, budget, fixed, slope, planned,
     cost_t, peak_t)``. The plan shrinks if the try took more than the passes
     said. It grows with one more try if the line lets through fewer pieces
     of the micro-batch, with half the margin (a try measures what the margin
-    is for), and less than the rows whose try ``failed``. Returns
-    ``(planned, max_cost, fixed, slope)``.
+    is for), and less than the rows whose try ``failed``. ``piece_cost``:
+    :func:`_largest_piece_cost` of the plan; ``ran``: the sizes of the
+    passes so far. Returns ``(planned, max_cost, fixed, slope)``.
     """
     rows, per_row = batch_len(first), _cost_per_row(first)
     cost_1, peak_1, cost_t, peak_t = line
     slope_t = max(0.0, (peak_t - peak_1) / (cost_t - cost_1))
     fixed += (max(0.0, peak_1 - slope_t * cost_1)
               - max(0.0, peak_1 - slope * cost_1))
-    cost = largest_cost(budget, fixed, slope_t, margin=PLAN_MARGIN / 2)
+    cost = piece_cost(fixed, slope_t, ran, margin=PLAN_MARGIN / 2)
     cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
     grown = _rows_within(cost, per_row, rows)
     if failed is not None and grown >= failed:
@@ -599,6 +639,43 @@ def largest_cost(budget, fixed, slope, margin=PLAN_MARGIN):
     if left <= 0:
         return 0
     return None if slope <= 0 else int(left / slope)
+
+
+def _largest_piece_cost(first, budget, code, fixed, slope, ran,
+                        margin=PLAN_MARGIN):
+    """Return the largest cost of ``first``'s pieces whose pass fits.
+
+    As :func:`largest_cost`, with ``code`` bytes for each shape of the
+    pieces (their size, the last piece's) that no pass ran (``ran``): a cap
+    on the address space counts the code compiled for a new shape (oneDNN's
+    convolutions). A size that ran, in even pieces, needs no margin: its
+    peak was measured, not extrapolated, and its try (beside the state and
+    half the margin) maps no new code, so a failed one costs a pass.
+    """
+    cost = largest_cost(budget, fixed, slope, margin)
+    if not code or not cost:  # None: nothing limits it; 0: nothing fits
+        return cost
+    rows, per_row = batch_len(first), _cost_per_row(first)
+
+    def fits(size, margin):
+        new = len(_piece_shapes(rows, size) - set(ran))
+        return size * per_row <= largest_cost(
+            budget, fixed + new * code, slope, margin)
+
+    sizes = [size for size in ran if even_piece_rows(rows, size) == size
+             and fits(size, 0)]
+    # the largest new size: from the fewest pieces the budget allows
+    for count in range(-(-rows // _rows_within(cost, per_row, rows)),
+                       rows + 1):
+        if fits(-(-rows // count), margin):
+            sizes.append(-(-rows // count))
+            break
+    return math.ceil(max(sizes) * per_row) if sizes else 0
+
+
+def _piece_shapes(rows, size):
+    """Return the rows of the pieces of ``rows`` cut at ``size``: 1 or 2."""
+    return {size, rows - (-(-rows // size) - 1) * size}
 
 
 def record_measured_peak(net):
@@ -658,10 +735,12 @@ def _passes(net, engine, pieces, buffers, reserve=0, **fit_params):
 
 
 def _trials(net, engine, meter, first, buffers, **fit_params):
-    """Return the two measured ``(rows, peak)`` and the outputs' bytes a row.
+    """Return the two measured ``(rows, peak)``, outputs' bytes, new code.
 
-    Halves the sizes while a pass fails. The largest of each size's peaks
-    counts: on the CPU, malloc takes more or less for the same tensors.
+    The outputs' bytes per row; the code compiled for a new shape
+    (:func:`compiled_code_bytes`): the first larger pass's. Halves the
+    sizes while a pass fails. The largest of each size's peaks counts: on
+    the CPU, malloc takes more or less for the same tensors.
     """
     small = max(1, batch_len(first) // 16)
     while True:
@@ -671,21 +750,23 @@ def _trials(net, engine, meter, first, buffers, **fit_params):
             (split_batch(first, size)[0], meter) for size in order],
             buffers, **fit_params)
         if None not in results:
-            peaks = [max(peak for (size_, peak, _) in results[1:]
+            peaks = [max(peak for (size_, peak, _, _) in results[1:]
                          if size_ == size) for size in sizes]
-            return (list(zip(sizes, peaks)), results[-1][2] / sizes[1])
+            return (list(zip(sizes, peaks)), results[-1][2] / sizes[1],
+                    results[order.index(sizes[1])][3])
         if small == 1:
             raise RuntimeError(_ONE_ROW)
         small //= 2
 
 
 def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
-            **fit_params):
+            code=0, **fit_params):
     """Return the rows of a try that passed, its peak, the last that failed.
 
     From the planned rows, less a quarter while a try fails (None: none
-    failed), or the most rows below it of a pass that ran (``ran``), if
-    more; in even pieces (:func:`even_piece_rows`). Where the budget is
+    failed; half where each new shape maps ``code`` bytes: fewer tries),
+    or the most rows below it of a pass that ran (``ran``), if more; in
+    even pieces (:func:`even_piece_rows`). Where the budget is
     the device's or a hard limit's, the measured peak can miss what a cap
     counts (the CPU's address space grows more than its resident memory):
     one pass at the plan, beside ``reserve`` bytes, settles it.
@@ -699,11 +780,12 @@ def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
             return planned, peak, failed
         if planned == 1:
             raise RuntimeError(_ONE_ROW)
-        # a try that fails was close: smaller steps than the back-off's; a
-        # shape that ran maps no more (oneDNN compiles code for each new one)
-        failed, planned = planned, max([even_piece_rows(rows, min(
-            planned - 1, planned * 3 // 4))] + [
-                size for size in ran if size < planned])
+        # a try that fails was close: smaller steps than the back-off's,
+        # unless each new shape maps code that a cap counts (oneDNN's); a
+        # shape that ran maps no more
+        smaller = planned // 2 if code else min(planned - 1, planned * 3 // 4)
+        failed, planned = planned, max([even_piece_rows(rows, smaller)] + [
+            size for size in ran if size < planned])
 
 
 def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
@@ -723,7 +805,8 @@ def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
                            else [pieces[0] if last is None else last])
     results = _passes(net, engine, [(piece, meter) for piece in pieces],
                       buffers, reserve, **fit_params)
-    return None if None in results else max(peak for _, peak, _ in results)
+    return None if None in results else max(
+        result[1] for result in results)
 
 
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
@@ -739,6 +822,7 @@ def _has_convolutions(module):
 def _trial(net, engine, meter, piece, **fit_params):
     """Run forward and backward on ``piece``; return its peak and outputs.
 
+    ``(rows, peak, bytes of the outputs, bytes of code compiled)``.
     As a piece after the first of a step: its gradients are added to those
     held, so each parameter's new gradient is held beside them for a while.
     """
@@ -746,13 +830,15 @@ def _trial(net, engine, meter, piece, **fit_params):
               if param.requires_grad]
     for param in params:
         param.grad = torch.zeros_like(param)
+    code = compiled_code_bytes()
     with meter.window():
         with engine.plan_context(), net.autocast():
             step = net.train_step_single(piece, **fit_params)
         # with the gradients the step holds before the window
         peak = meter.peak(start=True) + engine.plan_gradient_bytes(params)
     return (batch_len(piece), peak,
-            _nbytes(step.get('y_pred') if isinstance(step, dict) else None))
+            _nbytes(step.get('y_pred') if isinstance(step, dict) else None),
+            compiled_code_bytes() - code)
 
 
 def optimizer_state_bytes(net):

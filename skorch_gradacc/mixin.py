@@ -160,7 +160,8 @@ class GradAccMixin:
       piece, in ``'unit'``), ``'predicted_peak'``, ``'measured_peak'``
       (bytes, over the first step), ``'plan_seconds'`` (the loss check's
       apart, ``'loss_check_seconds'``), ``'passes'`` (its forward and
-      backward passes) and the fit's terms.
+      backward passes), ``'code_per_shape'`` (bytes a new shape compiles,
+      counted under ``RLIMIT_AS``) and the fit's terms.
 
     grad_scaler_ : torch.amp.GradScaler or None
       The GradScaler of ``mixed_precision='fp16'``.

@@ -19,6 +19,8 @@ from skorch_gradacc.memory import (
     ONEDNN_ERROR,
     PLAN_MARGIN,
     PLAN_REPEATS,
+    _largest_piece_cost,
+    compiled_code_bytes,
     even_piece_rows,
     is_out_of_memory,
     largest_cost,
@@ -88,6 +90,51 @@ class TestLargestCost:
         assert largest_cost(100, 10, 0) is None
         # the fixed part alone is more
         assert largest_cost(100, 1000, 1) == largest_cost(100, 1000, 0) == 0
+
+
+class TestCodeOfNewShapes:
+    """Under RLIMIT_AS, the code oneDNN compiles for a new convolution shape
+    counts: the plan charges it to each shape no pass ran."""
+
+    def test_a_new_convolution_shape_maps_code(self):
+        # float32, a shape no other test runs: compiled the first time only
+        conv = torch.nn.Conv2d(3, 13, 3)
+
+        def grown(rows):
+            before = compiled_code_bytes()
+            conv(torch.randn(rows, 3, 11, 7)).sum().backward()
+            return compiled_code_bytes() - before
+
+        assert grown(6) > 0
+        assert grown(6) == 0
+
+    def test_without_code_as_largest_cost(self):
+        first = torch.zeros(128, 1)  # cost in rows
+        for margin, rows in ((PLAN_MARGIN, 80), (PLAN_MARGIN / 2, 85)):
+            assert _largest_piece_cost(first, 1000, 0, 100, 10, [8, 16],
+                                       margin) == rows
+            assert largest_cost(1000, 100, 10, margin) == rows
+
+    def test_each_new_shape_takes_its_code(self):
+        # (900 - 100) / 10 = 80 rows without code: 2 pieces of 64; with 200
+        # bytes for 64, 740 > 900 - 200; 3 pieces (43, 42: two new shapes)
+        # 100 + 400 + 430 > 900; 4 pieces of 32, one new shape, fit
+        first = torch.zeros(128, 1)
+        assert _largest_piece_cost(first, 1000, 200, 100, 10, [8, 16]) == 32
+
+    def test_a_size_that_ran_takes_no_code(self):
+        # 16 rows with 700 bytes of code: 100 + 700 + 160 > 900; 8 fit
+        first = torch.zeros(128, 1)
+        assert _largest_piece_cost(first, 1000, 700, 100, 10, []) == 8
+        assert _largest_piece_cost(first, 1000, 700, 100, 10, [16]) == 16
+
+    def test_a_size_that_ran_takes_no_margin(self):
+        # 100 + 10 * 90 is the whole budget: the try settles it
+        first = torch.zeros(90, 1)
+        assert _largest_piece_cost(first, 1000, 2000, 100, 10, [90]) == 90
+        assert _largest_piece_cost(first, 1000, 2000, 100, 10, []) == 0
+        # 50 rows, cut in two pieces of 45, did not run as such
+        assert _largest_piece_cost(first, 1000, 2000, 100, 10, [50]) == 0
 
 
 def test_min_over_ranks_of_one_process():
@@ -469,6 +516,7 @@ def test_trains_under_a_cap_where_the_large_batch_fails():
     plan = auto['plan']
     assert plan['budget'] < CAP  # read from RLIMIT_AS
     assert 1 < plan['micro_batch_size'] < 8192
+    assert plan['code_per_shape'] == 0  # matrix products compile none
     assert auto['backoffs'] == [None, None]  # no attempt failed
     for key, value in auto['params'].items():
         torch.testing.assert_close(value, plain['params'][key], rtol=0,

@@ -1,6 +1,8 @@
 """``micro_batch_size``: the loader yields the full batch, the net splits it;
 ``'auto'`` backs off on out-of-memory errors and keeps the effective batch."""
 
+import resource
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -48,6 +50,30 @@ class CappedMLP(MLPClassifier):
 
 class CappedConvMLP(CappedMLP, ConvMLPClassifier):
     """CappedMLP after a convolution: the plan tries its last pieces too."""
+
+
+class CappedConv2d(CappedMLP):
+    """CappedMLP after a float32 convolution of ``channels`` channels, 5 or
+    more, shapes no other test runs: oneDNN compiles code for each new
+    number of rows."""
+
+    def __init__(self, max_rows=1000, fails_from=0, channels=5):
+        super().__init__(max_rows, fails_from)
+        self.channels = channels
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, X):
+        image = X.float()[:, None, None, :].expand(
+            -1, self.channels, 9, X.shape[1])
+        return super().forward(self.conv(image).mean(dim=(1, 2)).to(X.dtype))
+
+
+def _vm_size():
+    with open('/proc/self/status') as status:
+        for line in status:
+            if line.startswith('VmSize:'):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError('no VmSize in /proc/self/status')
 
 
 def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,
@@ -197,6 +223,37 @@ class TestAutoMicroBatchSize:
             32, 16, 11, 8, 6, 7]
         assert acc_net.memory_plan_['micro_batch_size'] == 7
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+
+    @pytest.mark.parametrize('cap', [False, True])
+    def test_tries_halve_where_new_shapes_map_code_under_a_cap(
+            self, clf_data, cap):
+        # batches of 33 on a module that fails above 4 rows, as the test of
+        # the step-down above: under RLIMIT_AS, each new shape's code
+        # counts, so a failed try halves (fewer new shapes): 33, 11, 5, then
+        # 4, whose shape ran, where it steps down by quarters without a cap
+        acc_net, plain_net = micro_nets('auto', batch_size=33,
+                                        module=CappedConv2d,
+                                        module__max_rows=4,
+                                        module__channels=5 + cap)
+        acc_net.set_params(memory_budget='1GiB')
+        plain_net.set_params(module__max_rows=1000)
+        limit = resource.getrlimit(resource.RLIMIT_AS)
+        if cap:  # far above what the fit takes
+            resource.setrlimit(resource.RLIMIT_AS, (
+                _vm_size() + 2 ** 36, limit[1]))
+        try:
+            fit_seeded(acc_net, *clf_data)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, limit)
+        fit_seeded(plain_net, *clf_data)
+        tries = [33, 11, 5, 4, 1] if cap else [33, 17, 11, 7, 5, 4, 1]
+        assert acc_net.module_.rows_[:len(BEFORE_TRIES + tries)] == (
+            BEFORE_TRIES + tries)
+        assert (acc_net.memory_plan_['code_per_shape'] > 0) == cap
+        assert acc_net.memory_plan_['micro_batch_size'] == 4
+        assert not any('micro_batch_size_backoff' in row for epoch in
+                       acc_net.history for row in epoch['batches'])
+        assert max_param_diff(acc_net, plain_net) < 1e-5  # float32 inside
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1,
