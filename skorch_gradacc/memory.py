@@ -737,23 +737,29 @@ def _passes(net, engine, pieces, buffers, reserve=0, **fit_params):
 def _trials(net, engine, meter, first, buffers, **fit_params):
     """Return the two measured ``(rows, peak)``, outputs' bytes, new code.
 
-    The outputs' bytes per row; the code compiled for a new shape
-    (:func:`compiled_code_bytes`): the first larger pass's. Halves the
-    sizes while a pass fails. The largest of each size's peaks counts: on
-    the CPU, malloc takes more or less for the same tensors.
+    The outputs' bytes per row; the code compiled from the first larger
+    pass on, the first of its shape (:func:`compiled_code_bytes`). Halves
+    the sizes while a pass fails. The largest of each size's peaks counts:
+    on the CPU, malloc takes more or less for the same tensors.
     """
     small = max(1, batch_len(first) // 16)
     while True:
         sizes = [small, 2 * small]
         order = [sizes[0]] + sizes * PLAN_REPEATS  # the first warms up
+        larger = order.index(sizes[1])
         results = _passes(net, engine, [
-            (split_batch(first, size)[0], meter) for size in order],
+            (split_batch(first, size)[0], meter) for size in order[:larger]],
             buffers, **fit_params)
+        code = compiled_code_bytes()  # read twice a plan: it takes ms
         if None not in results:
-            peaks = [max(peak for (size_, peak, _, _) in results[1:]
+            results += _passes(net, engine, [
+                (split_batch(first, size)[0], meter)
+                for size in order[larger:]], buffers, **fit_params)
+        if None not in results:
+            peaks = [max(peak for (size_, peak, _) in results[1:]
                          if size_ == size) for size in sizes]
             return (list(zip(sizes, peaks)), results[-1][2] / sizes[1],
-                    results[order.index(sizes[1])][3])
+                    compiled_code_bytes() - code)
         if small == 1:
             raise RuntimeError(_ONE_ROW)
         small //= 2
@@ -805,8 +811,7 @@ def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
                            else [pieces[0] if last is None else last])
     results = _passes(net, engine, [(piece, meter) for piece in pieces],
                       buffers, reserve, **fit_params)
-    return None if None in results else max(
-        result[1] for result in results)
+    return None if None in results else max(peak for _, peak, _ in results)
 
 
 _CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
@@ -822,7 +827,6 @@ def _has_convolutions(module):
 def _trial(net, engine, meter, piece, **fit_params):
     """Run forward and backward on ``piece``; return its peak and outputs.
 
-    ``(rows, peak, bytes of the outputs, bytes of code compiled)``.
     As a piece after the first of a step: its gradients are added to those
     held, so each parameter's new gradient is held beside them for a while.
     """
@@ -830,15 +834,13 @@ def _trial(net, engine, meter, piece, **fit_params):
               if param.requires_grad]
     for param in params:
         param.grad = torch.zeros_like(param)
-    code = compiled_code_bytes()
     with meter.window():
         with engine.plan_context(), net.autocast():
             step = net.train_step_single(piece, **fit_params)
         # with the gradients the step holds before the window
         peak = meter.peak(start=True) + engine.plan_gradient_bytes(params)
     return (batch_len(piece), peak,
-            _nbytes(step.get('y_pred') if isinstance(step, dict) else None),
-            compiled_code_bytes() - code)
+            _nbytes(step.get('y_pred') if isinstance(step, dict) else None))
 
 
 def optimizer_state_bytes(net):
