@@ -600,7 +600,8 @@ def _refine(net, engine, meter, first, line, piece_cost, fixed, slope,
     slope_t = max(0.0, (peak_t - peak_1) / (cost_t - cost_1))
     fixed += (max(0.0, peak_1 - slope_t * cost_1)
               - max(0.0, peak_1 - slope * cost_1))
-    cost = piece_cost(fixed, slope_t, ran, margin=PLAN_MARGIN / 2)
+    cost = piece_cost(fixed, slope_t, ran, margin=PLAN_MARGIN / 2,
+                      below=failed)
     cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
     grown = _rows_within(cost, per_row, rows)
     if failed is not None and grown >= failed:
@@ -642,7 +643,7 @@ def largest_cost(budget, fixed, slope, margin=PLAN_MARGIN):
 
 
 def _largest_piece_cost(first, budget, code, fixed, slope, ran,
-                        margin=PLAN_MARGIN):
+                        margin=PLAN_MARGIN, below=None):
     """Return the largest cost of ``first``'s pieces whose pass fits.
 
     As :func:`largest_cost`, with ``code`` bytes for each shape of the
@@ -650,16 +651,18 @@ def _largest_piece_cost(first, budget, code, fixed, slope, ran,
     on the address space counts the code compiled for a new shape (oneDNN's
     convolutions). A size that ran, in even pieces, needs no margin: its
     peak was measured, not extrapolated, and its try (beside the state and
-    half the margin) maps no new code, so a failed one costs a pass.
+    half the margin) maps no new code, so a failed one costs a pass. With
+    code, of pieces of fewer rows than ``below`` (a failed try's).
     """
     cost = largest_cost(budget, fixed, slope, margin)
     if not code or not cost:  # None: nothing limits it; 0: nothing fits
         return cost
     rows, per_row = batch_len(first), _cost_per_row(first)
+    below = below or rows + 1
 
     def fits(size, margin):
         new = len(_piece_shapes(rows, size) - set(ran))
-        return size * per_row <= largest_cost(
+        return size < below and size * per_row <= largest_cost(
             budget, fixed + new * code, slope, margin)
 
     sizes = [size for size in ran if even_piece_rows(rows, size) == size

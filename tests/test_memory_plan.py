@@ -122,6 +122,13 @@ class TestCodeOfNewShapes:
         first = torch.zeros(128, 1)
         assert _largest_piece_cost(first, 1000, 200, 100, 10, [8, 16]) == 32
 
+    def test_below_a_failed_try(self):
+        # as above, below 32 rows: 5 pieces of 26 (and 24), two new shapes,
+        # 100 + 400 + 260 <= 900
+        first = torch.zeros(128, 1)
+        assert _largest_piece_cost(first, 1000, 200, 100, 10, [8, 16],
+                                   below=32) == 26
+
     def test_a_size_that_ran_takes_no_code(self):
         # 16 rows with 700 bytes of code: 100 + 700 + 160 > 900; 8 fit
         first = torch.zeros(128, 1)
