@@ -18,6 +18,7 @@ import torch.distributed as dist
 from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, LoadInitState
 from skorch.dataset import Dataset
+from test_micro_batch_size import CappedConv2d
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -52,8 +53,8 @@ STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
-SCENARIOS = ['samples', 'auto', 'plan', 'plan_conv', 'shuffle', 'tokens', 'bucket',
-             'iterable']
+SCENARIOS = ['samples', 'auto', 'plan', 'plan_conv', 'plan_code', 'shuffle',
+             'tokens', 'bucket', 'iterable']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
 LAUNCH_LIMIT = 480
@@ -169,6 +170,27 @@ def test_every_rank_tries_the_last_piece_of_a_convolution(ddp):
         assert rank['micro_batch_size_'] == 3
         assert rank['backoffs'] == [[None] * 5, [None] * 5]
     assert_same_as_single_process(ranks, classifier(195, ConvMLPClassifier))
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_charges_the_code_one_rank_compiles_under_a_cap(ddp):
+    # as above with a float32 convolution, and rank 1 alone under RLIMIT_AS:
+    # its code per shape is every rank's, so both halve after a failed try
+    # (8, 4, then 2), where they would step to 3 by quarters, then grow to
+    # 3 rows with the last piece of 2, below the 4 that failed
+    ranks = ddp.ranks('plan_code')
+    passes = [1] + [1, 2] * PLAN_REPEATS
+    for rank in ranks:
+        assert rank['piece_rows'][:len(passes) + 5] == passes + [8, 4, 2, 3, 2]
+        assert rank['memory_plan_']['code_per_shape'] > 0
+        assert rank['micro_batch_size_'] == 3
+        assert rank['backoffs'] == [[None] * 5, [None] * 5]
+    net = classifier(195, CappedConv2d, module__channels=7)
+    for rank in ranks:  # float32 inside
+        assert_params_equal(rank['params'], net, atol=1e-5)
+        np.testing.assert_allclose(rank['train_loss'],
+                                   net.history[:, 'train_loss'], rtol=1e-5)
 
 
 @pytest.mark.slow  # torchrun

@@ -45,6 +45,7 @@ from fsdp_worker import (  # noqa: E402
     FP16TokenModel,
     MaskedMeanLoss,
     SpikyClassifier,
+    code_classifier,
     conv_classifier,
     fp16_token_data,
     masked_data,
@@ -58,7 +59,7 @@ TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'micro', 'auto', 'plan', 'plan_fails', 'plan_conv',
-             'iterable',
+             'plan_code', 'iterable',
              'skip', 'masked',
              'sampler', 'fp16_tokens', 'fp16_spike']
 LAUNCH_LIMIT = 480
@@ -341,6 +342,30 @@ def test_every_rank_tries_the_last_piece_of_a_convolution(fsdp):
     assert_params_equal(torch.load(fsdp.folder('plan_conv') / 'params.pt'),
                         net)
     assert_losses_equal(ranks, net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_charges_the_code_one_rank_compiles_under_a_cap(fsdp):
+    # as above with a float32 convolution, and rank 1 alone under RLIMIT_AS:
+    # its code per shape is every rank's, so both halve after a failed try
+    # (8, 4, then 2), where they would step to 3 by quarters, then grow to
+    # 3 rows with the last piece of 2, below the 4 that failed
+    ranks = fsdp.ranks('plan_code')
+    passes = [1] + [1, 2] * PLAN_REPEATS
+    assert ranks[0]['forward_rows'][:len(passes) + 6] == (
+        passes + [8, 4, 2, 3, 2, 3])
+    assert ranks[1]['forward_rows'][:len(passes) + 8] == (
+        passes + [8, 0, 4, 0, 2, 3, 2, 3])
+    for rank in ranks:
+        assert rank['memory_plan_']['code_per_shape'] > 0
+        assert rank['micro_batch_size_'] == 3
+        assert rank['backoffs'] == [None] * 10
+    X, y = classification_data(N_SAMPLES)
+    net = single_process(NeuralNetClassifier, X, y, module=code_classifier,
+                         lr=0.1)
+    assert_params_equal(torch.load(fsdp.folder('plan_code') / 'params.pt'),
+                        net, atol=1e-5)  # float32 inside
 
 
 @pytest.mark.slow  # torchrun

@@ -11,10 +11,11 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import ProgressBar
 
 from skorch_gradacc import GradAccNeuralNetClassifier
-from skorch_gradacc.memory import PLAN_REPEATS
+from skorch_gradacc.memory import PLAN_REPEATS, _proc_bytes
 
 from conftest import (
     PARAM_ATOL,
+    Conv2dFront,
     ConvMLPClassifier,
     MLPClassifier,
     assert_same_history,
@@ -53,27 +54,15 @@ class CappedConvMLP(CappedMLP, ConvMLPClassifier):
 
 
 class CappedConv2d(CappedMLP):
-    """CappedMLP after a float32 convolution of ``channels`` channels, 5 or
-    more, shapes no other test runs: oneDNN compiles code for each new
-    number of rows."""
+    """CappedMLP after a Conv2dFront of ``channels`` channels, 5 or more:
+    shapes no other test runs."""
 
     def __init__(self, max_rows=1000, fails_from=0, channels=5):
         super().__init__(max_rows, fails_from)
-        self.channels = channels
-        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.front = Conv2dFront(channels)
 
     def forward(self, X):
-        image = X.float()[:, None, None, :].expand(
-            -1, self.channels, 9, X.shape[1])
-        return super().forward(self.conv(image).mean(dim=(1, 2)).to(X.dtype))
-
-
-def _vm_size():
-    with open('/proc/self/status') as status:
-        for line in status:
-            if line.startswith('VmSize:'):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError('no VmSize in /proc/self/status')
+        return super().forward(self.front(X))
 
 
 def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,
@@ -240,7 +229,7 @@ class TestAutoMicroBatchSize:
         limit = resource.getrlimit(resource.RLIMIT_AS)
         if cap:  # far above what the fit takes
             resource.setrlimit(resource.RLIMIT_AS, (
-                _vm_size() + 2 ** 36, limit[1]))
+                _proc_bytes('/proc/self/status', 'VmSize') + 2 ** 36, limit[1]))
         try:
             fit_seeded(acc_net, *clf_data)
         finally:

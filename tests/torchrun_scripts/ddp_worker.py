@@ -22,12 +22,16 @@ Accelerate's state lives as long as the process)
 * ``plan_conv``: ``samples`` with ``micro_batch_size='auto'`` and a
   convolution, where only rank 1's module runs out of memory above 3 rows:
   every rank tries pieces of 3 and their last piece, of 2 rows.
+* ``plan_code``: ``plan_conv`` with a float32 convolution, which compiles
+  code per shape, and only rank 1 under ``RLIMIT_AS``: every rank charges
+  that code, and halves after a failed try.
 
 Each rank saves its parameters, history and counters to
 OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
+import resource
 import sys
 
 import torch
@@ -35,6 +39,7 @@ from skorch import NeuralNetClassifier
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
+from test_micro_batch_size import CappedConv2d
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -54,13 +59,13 @@ from skorch_gradacc import (
     GradAccNeuralNetClassifier,
 )
 from skorch_gradacc.distributed import DistributedGradAccMixin
-from skorch_gradacc.memory import PLAN_REPEATS
+from skorch_gradacc.memory import PLAN_REPEATS, _proc_bytes
 
 from conftest import ConvMLPClassifier, MLPClassifier, classification_data
 
 BATCH_SIZE, ACC_STEPS = 8, 3
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
-             'plan': 195, 'plan_conv': 195}
+             'plan': 195, 'plan_conv': 195, 'plan_code': 195}
 
 
 class CountsMicroBatches:
@@ -184,6 +189,10 @@ def make_net_and_data(scenario, rank, device):
         module = CappedConvMLP
         common.update(micro_batch_size='auto',
                       module__max_rows=3 if rank == 1 else 1000)
+    if scenario == 'plan_code':  # channels no other scenario compiles
+        module = CappedConv2d
+        common.update(micro_batch_size='auto', module__channels=7,
+                      module__max_rows=3 if rank == 1 else 1000)
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -196,7 +205,14 @@ def run(scenario, out_dir, device):
     # 0's weights and the net rank 0's random state each epoch.
     torch.manual_seed(rank if scenario == 'shuffle' else 0)
     net, X, y = make_net_and_data(scenario, rank, device)
-    net.fit(X, y)
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    if scenario == 'plan_code' and rank == 1:  # far above what it takes
+        resource.setrlimit(resource.RLIMIT_AS, (
+            _proc_bytes('/proc/self/status', 'VmSize') + 2 ** 36, limit[1]))
+    try:
+        net.fit(X, y)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
     save_rank({

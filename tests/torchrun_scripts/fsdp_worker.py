@@ -26,6 +26,9 @@ after another, see worker_common.py)
   runs out of memory above 4 rows: the plan's try of 8 rows fails there;
 * ``plan_conv``: ``plan_fails`` after a convolution, above 3 rows: every
   rank tries pieces of 3 and their last piece, of 2 rows;
+* ``plan_code``: ``plan_conv`` after a float32 convolution, which compiles
+  code per shape, with only rank 1 under ``RLIMIT_AS``: every rank charges
+  that code, and halves after a failed try;
 * ``skip``: ``samples`` with ``skip_nonfinite=True``, where one step's
   gradient is infinite in rank 1's shard only;
 * ``iterable``: ``samples`` from an ``IterableDataset`` of micro-batches,
@@ -45,6 +48,7 @@ OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
+import resource
 import sys
 
 import numpy as np
@@ -60,9 +64,9 @@ from test_normalization import IGNORE, TokenTagger, token_data
 
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
-from skorch_gradacc.memory import PLAN_REPEATS
+from skorch_gradacc.memory import PLAN_REPEATS, _proc_bytes
 
-from conftest import DTYPE, classification_data
+from conftest import DTYPE, Conv2dFront, classification_data
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
 FP16_VOCAB, FP16_ACC_STEPS, FP16_LR = 64, 2, 0.5
@@ -78,8 +82,9 @@ def sequential_classifier():
 
 
 class Conv1x1(torch.nn.Module):
-    """A convolution of one channel, kernel 1, over the features: on the
-    CPU, oneDNN compiles code for each new shape of it."""
+    """A convolution of one channel, kernel 1, over the features: the plan
+    tries the last piece of a micro-batch too (in float64, oneDNN compiles
+    no code for it)."""
 
     def __init__(self):
         super().__init__()
@@ -89,19 +94,25 @@ class Conv1x1(torch.nn.Module):
         return self.conv(X[:, None, :])[:, 0]
 
 
-def conv_classifier():
+def conv_classifier(front=Conv1x1):
     """sequential_classifier after a convolution."""
-    return torch.nn.Sequential(Conv1x1(), *sequential_classifier())
+    return torch.nn.Sequential(front(), *sequential_classifier())
+
+
+def code_classifier():
+    """sequential_classifier after Conv2dFront (float32: FSDP2 shards it
+    apart from the float64 Linear layers)."""
+    return conv_classifier(Conv2dFront)
 
 
 class CappedClassifier(torch.nn.Sequential):
     """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
     that cannot hold more, before any collective of the forward pass, after
     its first ``fails_from`` passes; ``rows_``: the rows of each pass. With
-    ``conv``, conv_classifier's layers."""
+    ``conv`` (a module class), conv_classifier's layers after it."""
 
-    def __init__(self, max_rows=1000, fails_from=0, conv=False):
-        super().__init__(*(conv_classifier() if conv
+    def __init__(self, max_rows=1000, fails_from=0, conv=None):
+        super().__init__(*(conv_classifier(conv) if conv
                            else sequential_classifier()))
         self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
         self.rows_ = []
@@ -257,12 +268,13 @@ def make_net(scenario, max_epochs=2, X=None):
     module = sequential_classifier
     if scenario == 'micro':
         common['micro_batch_size'] = 3
-    if scenario in ('auto', 'plan_fails', 'plan_conv'):
+    if scenario in ('auto', 'plan_fails', 'plan_conv', 'plan_code'):
         module = CappedClassifier
         common['micro_batch_size'] = 'auto'
         common['module__max_rows'] = 1000 if dist.get_rank() == 0 else (
-            3 if scenario == 'plan_conv' else 4)
-        common['module__conv'] = scenario == 'plan_conv'
+            3 if scenario in ('plan_conv', 'plan_code') else 4)
+        common['module__conv'] = {'plan_conv': Conv1x1,
+                                  'plan_code': Conv2dFront}.get(scenario)
         # 'auto': after the plan's passes (their last, at 8 rows, fits): a
         # plan that was wrong
         common['module__fails_from'] = (2 + 2 * PLAN_REPEATS
@@ -314,7 +326,14 @@ def fit(scenario, out_dir):
                            if isinstance(module, torch.nn.Linear))
         first_layer.register_forward_hook(
             lambda module, args, output: net.forward_dtypes_.add(output.dtype))
-        return net.partial_fit(X, y)
+        limit = resource.getrlimit(resource.RLIMIT_AS)
+        if scenario == 'plan_code' and dist.get_rank() == 1:  # far above
+            resource.setrlimit(resource.RLIMIT_AS, (_proc_bytes(
+                '/proc/self/status', 'VmSize') + 2 ** 36, limit[1]))
+        try:
+            return net.partial_fit(X, y)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, limit)
     first = make_net(scenario, max_epochs=1).fit(X, y)
     first.save_params(f_params=out_dir / 'epoch1_params.pt',
                       f_optimizer=out_dir / 'epoch1_optimizer.pt',
