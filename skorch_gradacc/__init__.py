@@ -7,8 +7,9 @@ page "Memory, micro-batches and non-finite steps" says what is in memory.
 """
 
 from skorch_gradacc.accum_grad import AccumGrad
+from skorch_gradacc.batching import has_fsdp2
 from skorch_gradacc.callbacks import AccumulationScheduler
-from skorch_gradacc.counting import LossItemsWarning
+from skorch_gradacc.counting import BatchNormWarning, LossItemsWarning
 from skorch_gradacc.distributed import DistributedGradAccMixin
 from skorch_gradacc.mixin import GradAccMixin
 from skorch_gradacc.nets import (
@@ -33,8 +34,8 @@ def __getattr__(name):
 __all__ = [
     'AccumGrad',
     'AccumulationScheduler',
+    'BatchNormWarning',
     'DistributedGradAccMixin',
-    'FullyShardedGradAccMixin',
     'GradAccMixin',
     'GradAccNeuralNet',
     'GradAccNeuralNetBinaryClassifier',
@@ -43,3 +44,5 @@ __all__ = [
     'LossItemsWarning',
     '__version__',
 ]
+if has_fsdp2():  # else, `from skorch_gradacc import *` would fail
+    __all__.insert(__all__.index('GradAccMixin'), 'FullyShardedGradAccMixin')

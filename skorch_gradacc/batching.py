@@ -11,12 +11,14 @@ import os
 import sys
 from pathlib import Path
 
+import joblib
 import numpy as np
+import sklearn
 import torch
 from skorch.dataset import get_len
 from skorch.utils import multi_indexing
 
-__all__ = []
+__all__ = ['planned_above', 'planned_rows']
 
 
 def batch_len(batch):
@@ -148,6 +150,111 @@ def concat_outputs(outputs):
     return _apply(torch.cat, outputs)
 
 
+# The pieces of a micro-batch
+
+def batch_cost(batch):
+    """Return the cost of a batch: the elements of its largest input.
+
+    The input is ``X`` of a batch ``(X, y, ...)``, or the largest tensor or
+    array of a dict, list or tuple ``X``: rows times padded length for
+    token batches. None if ``X`` holds none; then the cost is the rows.
+
+    Examples
+    --------
+    >>> import torch
+    >>> batch_cost(({'input_ids': torch.zeros(4, 7), 'mask': None}, None))
+    28
+
+    """
+    X = batch[0] if isinstance(batch, (tuple, list)) else batch
+    sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in arrays_in(X)]
+    return max(sizes) if sizes else None
+
+
+def cost_per_row(batch):
+    rows, cost = batch_len(batch), batch_cost(batch)
+    return cost / rows if cost and rows else 1.0
+
+
+def nbytes(data):
+    """Return the bytes of the tensors and arrays in ``data`` (a DTensor's shard)."""
+    total = 0
+    for array in arrays_in(data):
+        if hasattr(array, 'to_local'):  # a DTensor
+            array = array.to_local()
+        total += array.nbytes if isinstance(array, np.ndarray) else (
+            array.nelement() * array.element_size())
+    return total
+
+
+def rows_within(cost, per_row, rows):
+    """Return the most rows, 1 to ``rows``, whose cost is at most ``cost``."""
+    return max(1, min(rows, int(cost / per_row + 1e-9)))
+
+
+def even_piece_rows(rows, size):
+    """Return the rows of the first pieces of ``rows`` cut at most ``size``.
+
+    As many pieces as ``size`` takes, as even as can be: the same passes in
+    less memory.
+
+    Examples
+    --------
+    >>> even_piece_rows(128, 37)  # 4 pieces of 32, not 37, 37, 37 and 17
+    32
+
+    """
+    rows = max(rows, 1)  # a rank's empty share: one piece
+    return -(-rows // -(-rows // size))
+
+
+def planned_rows(rows, size):
+    """Return the rows of the pieces a plan takes: of ``rows``, at most ``size``.
+
+    As many pieces as ``size`` takes, at least, from the counts 1, 2, 3, 4,
+    5, 6, 8, 10, 12, 16, 20, ... (at most 1.33 times the last: a
+    measurement's noise does not decide between the nearest two), as even
+    as can be. At least 1.
+
+    Examples
+    --------
+    >>> planned_rows(128, 37)  # 4 pieces of 32, not 37, 37, 37 and 17
+    32
+    >>> planned_rows(512, 200), planned_rows(512, 150)  # 3 pieces, then 4
+    (171, 128)
+
+    """
+    return next(planned for planned in _planned_sizes(rows) if planned <= size)
+
+
+def planned_above(rows, size):
+    """Return the least rows of :func:`planned_rows` above ``size``, or None.
+
+    Examples
+    --------
+    >>> planned_above(512, 171), planned_above(512, 512)
+    (256, None)
+
+    """
+    above = None
+    for planned in _planned_sizes(rows):
+        if planned <= size:
+            return above
+        above = planned
+    return above
+
+
+def _planned_sizes(rows):
+    """Yield the sizes of :func:`planned_rows`, from ``rows`` down to 1."""
+    count = 1
+    while True:
+        yield max(1, -(-rows // count))
+        if count >= rows:
+            return
+        step = 2 ** ((count // 4).bit_length() - 1)  # count: 4, 5 or 6 steps
+        count += 1 if count < 4 else 2 * step if count == 6 * step else step
+
+
 def length_or_none(iterable):
     """Return ``len(iterable)``, or None if it has no length.
 
@@ -157,6 +264,17 @@ def length_or_none(iterable):
         return len(iterable)
     except TypeError:
         return None
+
+
+#: The oldest torch whose FSDP2 :mod:`skorch_gradacc.fully_sharded` uses:
+#: ``fully_shard``, and ``set_force_sum_reduction_for_comms`` for sum-only
+#: reductions on gloo.
+FSDP2_TORCH = (2, 8)
+
+
+def has_fsdp2():
+    """Whether this torch has the FSDP2 that ``FullyShardedGradAccMixin`` uses."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= FSDP2_TORCH
 
 
 def is_positive_int(value):
@@ -191,7 +309,7 @@ def this_rank():
 
 
 _INTERNAL = tuple(str(Path(module.__file__).parent) + os.sep
-                  for module in (sys.modules['skorch'], torch,
+                  for module in (sys.modules['skorch'], torch, sklearn, joblib,
                                  sys.modules[__name__.rpartition('.')[0]]))
 
 
@@ -199,7 +317,8 @@ def user_stacklevel():
     """Return the ``stacklevel`` of a warning that points at the user's call.
 
     That is the first frame, from the function that warns outwards, whose
-    code is not this package's, skorch's or torch's (an optimizer's step).
+    code is not this package's, skorch's, torch's (an optimizer's step),
+    scikit-learn's or joblib's (a search, a cross-validation).
     """
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(

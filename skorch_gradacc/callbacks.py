@@ -2,9 +2,10 @@
 
 A GradAcc net frees each micro-batch after its backward pass, so it must
 know before the epoch what the callbacks read of a training group
-(:func:`train_batch_reads`); the docs' section "What do callbacks keep?"
-says how a callback declares it. :func:`count_steps_in_progress_bars` makes
-skorch's :class:`~skorch.callbacks.ProgressBar` count optimizer steps.
+(:func:`train_batch_reads`); the docs' memory page ("what do callbacks
+keep?") says how a callback declares it.
+:func:`count_steps_in_progress_bars` makes skorch's
+:class:`~skorch.callbacks.ProgressBar` count optimizer steps.
 """
 
 import math
@@ -13,6 +14,7 @@ import warnings
 from skorch.callbacks import BatchScoring, Callback, EpochScoring, ProgressBar
 
 from skorch_gradacc.batching import check_positive_int, user_stacklevel
+from skorch_gradacc.counting import reevaluates_group
 
 __all__ = ['AccumulationScheduler']
 
@@ -184,6 +186,25 @@ def train_batch_reads(net, callbacks):
                 methods=' and '.join(methods)), UserWarning,
                 stacklevel=user_stacklevel())
     return reads, at_begin
+
+
+def outputs_needed(net):
+    """Return what a training group keeps for ``net``'s callbacks.
+
+    A group's micro-batches are freed after their backward pass unless a
+    callback reads them in ``on_batch_begin``, ``on_grad_computed`` or
+    ``on_batch_end``; then it keeps what the large-batch net would pass.
+    skorch's own callbacks are known; one of the user's declares
+    ``train_batch_reads``, or gets everything, with a warning. The inputs
+    are also kept for a step that may evaluate the group again and with
+    ``micro_batch_size='auto'`` (its replay).
+    """
+    if getattr(net, 'undeclared_reads_warned_', None) is None:
+        net.undeclared_reads_warned_ = set()  # kept across fits
+    reads, at_begin = train_batch_reads(net, getattr(net, 'callbacks_', []))
+    batch = ('X' in reads or at_begin or net.micro_batch_size == 'auto'
+             or reevaluates_group(net))
+    return {'batch': batch, 'y': 'y' in reads, 'y_pred': 'y_pred' in reads}
 
 
 def count_steps_in_progress_bars(net, dataset_train, acc_steps):

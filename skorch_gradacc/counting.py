@@ -19,13 +19,15 @@ import torch
 from skorch.dataset import unpack_data
 
 from skorch_gradacc.batching import (
+    arrays_in,
     batch_len,
+    concat_outputs,
     n_ranks,
     split_batch,
     user_stacklevel,
 )
 
-__all__ = ['LossItemsWarning', 'count_items']
+__all__ = ['BatchNormWarning', 'LossItemsWarning', 'count_items']
 
 CLASS_TARGET_LOSSES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
 ELEMENTWISE_LOSSES = (
@@ -36,6 +38,40 @@ ELEMENTWISE_LOSSES = (
 
 class LossItemsWarning(UserWarning):
     """The loss is not a mean over what ``count_loss_items`` counts."""
+
+
+class BatchNormWarning(UserWarning):
+    """A module normalizes by the statistics of pieces smaller than the batch.
+
+    Silence it with ``warnings.filterwarnings('ignore',
+    category=BatchNormWarning)``.
+    """
+
+
+# the layers that normalize by the statistics of the batch they see
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d,
+               torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+
+
+def warn_of_batch_norm(net):
+    """Warn if ``net`` trains a BatchNorm on pieces smaller than its batch.
+
+    In training mode, as the net sets it (a module may keep its BatchNorm
+    in eval mode); with ``acc_steps`` above 1 or ``micro_batch_size``.
+    """
+    if net.get_acc_steps() == 1 and net.micro_batch_size is None:
+        return
+    net._set_training(True)
+    norms = [type(layer).__name__ for module in net_modules(net)
+             for layer in module.modules()
+             if isinstance(layer, BATCH_NORMS) and layer.training]
+    if norms:
+        warnings.warn(
+            "{} trains {} on pieces smaller than its batch: their statistics "
+            "differ from the large batch's, and so does training (docs: FAQ, "
+            "BatchNorm). To silence it, filter BatchNormWarning.".format(
+                type(net).__name__, norms[0]), BatchNormWarning,
+            stacklevel=user_stacklevel())
 
 
 def _rule(criterion):
@@ -170,7 +206,7 @@ class ItemCounts:
         self.total = 0.0
         self.weight = None
         self.count = None
-        self._losses = []
+        self._loss_sum = None
 
     def check(self, count, summed_ok=True):
         """Return ``count``, read on the host if it is on the CPU, or raise.
@@ -259,22 +295,25 @@ class ItemCounts:
         """Add the loss of the micro-batch last counted, weighted by its count."""
         count = self.count
         if self.summed:
-            self._losses.append(loss)
+            term = loss
         elif isinstance(count, torch.Tensor):
             count = count.to(device=loss.device, dtype=loss.dtype)
             # an item-less micro-batch's mean loss is NaN (0 / 0)
-            self._losses.append(torch.where(count > 0, count * loss, 0.0))
+            term = torch.where(count > 0, count * loss, 0.0)
         elif count:
-            self._losses.append(count * loss)
+            term = count * loss
+        else:
+            return
+        # one running sum, not a tensor per piece: a group of many pieces
+        # would keep each one's (and the heap pages around it) to its end
+        self._loss_sum = term if self._loss_sum is None else self._loss_sum + term
 
     def loss_sum(self):
         """Return the group's losses summed, each weighted by its count.
 
         A zero tensor if no micro-batch added a loss (a rank without items).
         """
-        if not self._losses:
-            return torch.zeros(())
-        return torch.stack(self._losses).sum()
+        return torch.zeros(()) if self._loss_sum is None else self._loss_sum
 
     def loss(self, loss_sum=None, total=None):
         """Return the group's loss: the mean over its items, or the sum.
@@ -309,6 +348,32 @@ class ItemCounts:
         self.rescale(self.mean_scale())
 
 
+def weighted_loss(loss, y_pred, weight, scaler):
+    """Return ``loss``, with the gradient of ``loss`` times ``weight``.
+
+    And times the scale of ``scaler``, a GradScaler or None. ``weight`` is
+    a number, a tensor or None (not weighted); 0 gives a zero gradient
+    through the outputs ``y_pred``, never through the loss, which may be
+    NaN.
+    """
+    # in float32 at least: a float16 loss times its weight and scale may
+    # overflow, and its value must stay the loss's
+    base = loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+    if isinstance(weight, torch.Tensor):
+        weighted = base * weight.to(base)
+    elif weight == 0:
+        weighted = sum(0 * out.sum() for out in arrays_in(y_pred)
+                       if isinstance(out, torch.Tensor))
+    else:
+        weighted = base if weight in (None, 1) else base * weight
+    if scaler is not None:
+        weighted = scaler.scale(weighted)
+    if weighted is loss:
+        return loss  # nothing to weight or scale
+    # the value of the loss, the gradient of the weighted one
+    return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
+
+
 def scale_gradients(grads, scale):
     """Multiply ``grads`` in place by ``scale``, a number or a tensor.
 
@@ -341,7 +406,68 @@ def weighted_mean(pairs):
             / sum(count for count, _ in counted))
 
 
+def validate_in_pieces(net, pieces, validation_step, **fit_params):
+    """Return the validation step of a batch in ``pieces``.
+
+    ``validation_step``: skorch's, on a piece. The loss is the mean over
+    the batch's items, weighted by ``net.count_loss_items`` as in
+    training, and ``y_pred`` the pieces' outputs joined.
+    """
+    steps, counts = [], ItemCounts(name='count_loss_items(batch)')
+    for piece in pieces:
+        counts.add(net.count_loss_items(piece))
+        steps.append(validation_step(piece, **fit_params))
+        counts.add_loss(steps[-1]['loss'])
+    return {'loss': counts.loss(),
+            'y_pred': concat_outputs([step['y_pred'] for step in steps])}
+
+
+def merge_piece_records(row, records):
+    """Give a history row the values the large batch would have recorded.
+
+    ``records``: ``(count, values)`` of each piece, the values it recorded
+    in ``row``. A float recorded by several pieces (a loss term, say) is
+    combined as the loss is, by :func:`weighted_mean`; other values keep
+    the last piece's.
+    """
+    if row is None or len(records) < 2:
+        return
+    for key in {key for _, values in records for key in values}:
+        pairs = [(count, values[key]) for count, values in records
+                 if key in values]
+        if len(pairs) < 2 or not all(_is_float(value) for _, value in pairs):
+            continue
+        merged = weighted_mean(pairs)
+        if merged is not None:  # else every piece was item-less
+            row[key] = merged
+
+
+def _is_float(value):
+    """Whether ``value`` is a float scalar: Python, numpy, or a 0-d tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and value.dtype.is_floating_point
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and np.issubdtype(value.dtype, np.floating)
+    return isinstance(value, (float, np.floating))
+
+
 # The check that the loss is a mean over what is counted
+
+# the micro-batches the loss check tries before it gives up undecided
+LOSS_CHECK_TRIES = 3
+
+
+def check_loss_while_pending(net, piece, **fit_params):
+    """Check the loss on ``piece`` while ``net.loss_check_pending_``.
+
+    A decided check ends it; an undecided one (no items, a loss that is not
+    finite) leaves one try fewer (:data:`LOSS_CHECK_TRIES` in a fit).
+    """
+    if getattr(net, 'loss_check_pending_', 0):
+        checked = check_loss_is_mean(net, piece, **fit_params)
+        if checked is not None:  # a try: three forward passes
+            net.loss_check_pending_ = 0 if checked else net.loss_check_pending_ - 1
+
 
 def check_loss_is_mean(net, batch, **fit_params):
     """Warn if ``net``'s loss of ``batch`` is not a mean over its counted items.
@@ -399,6 +525,39 @@ def net_modules(net):
         module = getattr(net, name + '_', None)
         if isinstance(module, torch.nn.Module):
             yield module
+
+
+def net_optimizers(net):
+    """Yield the net's initialized optimizers, unwrapped.
+
+    A wrapper such as Accelerate's ``AcceleratedOptimizer`` holds the
+    :class:`torch.optim.Optimizer` in its ``optimizer`` attribute.
+    """
+    for name in net._optimizers:
+        optimizer = getattr(net, name + '_', None)
+        while isinstance(getattr(optimizer, 'optimizer', None),
+                         torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        if optimizer is not None:
+            yield optimizer
+
+
+def reevaluates_group(net):
+    """Whether a step may evaluate its group more than once.
+
+    skorch passes the closure to each optimizer's ``step``: several
+    optimizers, LBFGS or a step that is not ``torch.optim``'s (e.g.
+    sharpness-aware) may call it again.
+    """
+    if len(net._optimizers) > 1:
+        return True
+    for optimizer in net_optimizers(net):
+        if isinstance(optimizer, torch.optim.LBFGS):
+            return True
+        step = getattr(type(optimizer), 'step', None)
+        if not getattr(step, '__module__', '').startswith('torch.optim'):
+            return True
+    return False
 
 
 def snapshot_buffers(net):

@@ -30,7 +30,7 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, ProgressBar
 
 from skorch_gradacc import GradAccNeuralNetClassifier
-from skorch_gradacc.memory import track_activation_memory
+from skorch_gradacc.meters import track_activation_memory
 
 __all__ = ['main', 'max_param_diff']
 

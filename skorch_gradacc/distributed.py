@@ -139,14 +139,15 @@ def random_state_path(files, rank):
         os.path.splitext(os.fspath(f))[0], rank)
 
 
-def get_random_state(net):
+def get_random_state():
     """Return this process's random state, in tensors and numbers.
 
     ``torch.load`` reads it with ``weights_only=True``.
     """
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    stream = getattr(net, 'rank_stream_', None)
+    # not the rank's dropout stream: checkpoints are written at epoch ends,
+    # and the stream is reseeded at each epoch's first step
     return {
         'torch': torch.get_rng_state(),
         'cuda': (torch.cuda.get_rng_state_all() if torch.cuda.is_available()
@@ -155,11 +156,10 @@ def get_random_state(net):
                   gauss],
         'random': [version, torch.tensor(internal, dtype=torch.int64),
                    gauss_next],
-        'rank_stream': None if stream is None else stream.state,
     }
 
 
-def set_random_state(net, state):
+def set_random_state(state):
     """Restore what :func:`get_random_state` returned."""
     torch.set_rng_state(state['torch'])
     if state['cuda'] is not None and torch.cuda.is_available():
@@ -169,9 +169,6 @@ def set_random_state(net, state):
                          has_gauss, gauss))
     version, internal, gauss_next = state['random']
     random.setstate((version, tuple(internal.tolist()), gauss_next))
-    stream = getattr(net, 'rank_stream_', None)
-    if stream is not None:
-        stream.state = state['rank_stream']
 
 
 class RankZeroCheckpointMixin:
@@ -225,7 +222,7 @@ class RankZeroCheckpointMixin:
         path = random_state_path(files, this_rank())
         if path is not None:  # every rank's own, for an exact resume
             with atomic_files({'f': path}) as targets:
-                torch.save(get_random_state(self), targets['f'])
+                torch.save(get_random_state(), targets['f'])
         if self.save_needs_every_rank:
             dist.barrier()  # the files are there for every rank
 
@@ -246,7 +243,7 @@ class RankZeroCheckpointMixin:
                 key: value for key, value in files.items() if value})
         path = random_state_path(files, this_rank())
         if path is not None and os.path.exists(path):
-            set_random_state(self, torch.load(path, weights_only=True))
+            set_random_state(torch.load(path, weights_only=True))
 
     def checkpoint_states(self, files):
         """Return the context in which ``save_params`` writes ``files``.
@@ -362,7 +359,8 @@ class RankRandomStreamMixin:
 
 # Evaluation shared among the ranks, exact and in order
 
-def evaluate_in_rounds(iterator, evaluate, rank, world_size, group=None,
+def evaluate_in_rounds(iterator, evaluate, rank, world_size,
+                       process_group=None,
                        passes=None):
     """Yield ``(batch, result)`` for every batch of ``iterator``, in order.
 
@@ -379,7 +377,7 @@ def evaluate_in_rounds(iterator, evaluate, rank, world_size, group=None,
     rank, world_size : int
       This rank and the number of ranks.
 
-    group : ProcessGroup or None
+    process_group : ProcessGroup or None
       The process group; None for the default one.
 
     passes : callable or None
@@ -402,7 +400,8 @@ def evaluate_in_rounds(iterator, evaluate, rank, world_size, group=None,
             for _ in range(max(passes(batch) for batch in round_) - ran):
                 evaluate(empty, False)
         results = [None] * world_size
-        dist.all_gather_object(results, result if own else None, group=group)
+        dist.all_gather_object(results, result if own else None,
+                               group=process_group)
         del result
         yield from zip(round_, results)
 

@@ -10,18 +10,19 @@ the skip decision. An engine supplies only what differs:
   an engine may pad or agree on with the other ranks;
 * :meth:`Engine.context`: the context of each backward, which reduces the
   gradient over ranks or not;
-* :attr:`Engine.count_unit` and :meth:`Engine.set_count_unit`: how the count-weighted
+* ``Engine.count_unit`` and :meth:`Engine.set_count_unit`: how the count-weighted
   gradients are summed over ranks;
 * :meth:`Engine.end_step` and :meth:`Engine.all_ranks`: the end of the
   step, and the decisions that every rank must take alike.
 
 :class:`Engine` is the single process's, the trivial one.
-:class:`DataParallelEngine` adds what every data-parallel engine shares,
-:class:`DDPEngine` is that of a module wrapped in
+``DataParallelEngine`` adds what every data-parallel engine shares,
+``DDPEngine`` is that of a module wrapped in
 :class:`~torch.nn.parallel.DistributedDataParallel` (by
 :class:`~skorch_gradacc.DistributedGradAccMixin` or by skorch's
 ``AccelerateMixin``), and FSDP2's is
-:class:`skorch_gradacc.fully_sharded.FullyShardedEngine`.
+``skorch_gradacc.fully_sharded.FullyShardedEngine``; these three are
+internal.
 """
 
 import contextlib
@@ -49,7 +50,7 @@ class Engine:
     :meth:`set_count_unit` before the rank's last backward, and the backward under
     :meth:`context`; then :meth:`end_step`. Each backward computes the
     gradient of its loss times ``c / u`` (``c`` its item count, ``u`` the
-    unit: :attr:`count_unit`, or the first positive count), so that after the last
+    unit: ``count_unit``, or the first positive count), so that after the last
     one ``.grad`` is ``1 / u`` times the gradient of the summed loss.
 
     Parameters
@@ -138,7 +139,7 @@ class Engine:
         """Finish the step after its last backward; return its loss.
 
         Divides ``.grad`` by the group's count, in units of ``u``
-        (:meth:`~skorch_gradacc.counting.ItemCounts.mean_scale`).
+        (``counts.mean_scale()``).
         """
         scale_gradients(learnable_gradients(net), counts.mean_scale())
         return counts.loss()
@@ -203,7 +204,7 @@ class DataParallelEngine(Engine):
                 rank=dist.get_rank(self.process_group),
                 world_size=dist.get_world_size(self.process_group),
                 keep=keep, keep_targets=keep_targets, device=self.device,
-                group=self.process_group)
+                process_group=self.process_group)
         if length_or_none(micro_batches) is None:
             raise ValueError(
                 "Data-parallel training needs a training iterator with a "

@@ -3,7 +3,7 @@
 :class:`FullyShardedGradAccMixin` shards the module's parameters, gradients
 and optimizer state over the ranks with
 :func:`torch.distributed.fsdp.fully_shard`: :func:`shard_module` makes the
-FSDP units, :class:`FullyShardedEngine` is what the step needs of FSDP2,
+the modules it shards, :class:`FullyShardedEngine` is what the step needs of FSDP2,
 and :meth:`FullyShardedGradAccMixin.checkpoint_states` gathers one full
 checkpoint for rank 0 to write.
 """
@@ -15,22 +15,19 @@ import torch
 import torch.distributed as dist
 from skorch.utils import _check_f_arguments
 
-from skorch_gradacc.batching import zero_rows
+from skorch_gradacc.batching import FSDP2_TORCH, zero_rows
 from skorch_gradacc.distributed import (
     RankRandomStreamMixin,
     RankZeroCheckpointMixin,
     ShardedEvaluationMixin,
 )
 from skorch_gradacc.engine import DataParallelEngine
-from skorch_gradacc.mixin import AUTOCAST_DTYPES
+from skorch_gradacc.precision import AUTOCAST_DTYPES
 
-#: The oldest torch whose FSDP2 this module uses: ``fully_shard``, and
-#: ``set_force_sum_reduction_for_comms`` for sum-only reductions on gloo.
-MIN_TORCH = (2, 8)
 _TOO_OLD = (
     "skorch_gradacc's FullyShardedGradAccMixin needs torch>={}.{} (FSDP2's "
     "fully_shard with sum-only reductions), got torch {}; the rest of "
-    "skorch_gradacc works with it.".format(*MIN_TORCH, torch.__version__))
+    "skorch_gradacc works with it.".format(*FSDP2_TORCH, torch.__version__))
 try:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -53,7 +50,7 @@ if not hasattr(FSDPModule, 'set_force_sum_reduction_for_comms'):
 
 __all__ = ['FullyShardedGradAccMixin']
 
-#: Classes that are FSDP units by default, wherever they are in the module.
+#: Classes that FSDP2 shards apart by default, wherever they are in the module.
 TRANSFORMER_BLOCKS = (torch.nn.TransformerEncoderLayer,
                       torch.nn.TransformerDecoderLayer)
 
@@ -77,8 +74,8 @@ def default_shard_classes(module):
     return TRANSFORMER_BLOCKS + tuple(sorted(names))
 
 
-def units_of(module, shard_classes=None):
-    """Return the submodules of ``module`` that become FSDP units.
+def modules_to_shard(module, shard_classes=None):
+    """Return the submodules of ``module`` that FSDP2 shards apart.
 
     With ``shard_classes`` given (classes or class names), every outermost
     submodule of one of them. Otherwise the transformer blocks of
@@ -110,8 +107,8 @@ def units_of(module, shard_classes=None):
 def shard_module(module, shard_classes=None, **kwargs):
     """Apply :func:`~torch.distributed.fsdp.fully_shard` to a module, in place.
 
-    Each unit of :func:`units_of` is sharded first, then the root, so that
-    one unit's parameters are gathered at a time in the forward and
+    Each module of :func:`modules_to_shard` is sharded first, then the root, so that
+    one module's parameters are gathered at a time in the forward and
     backward passes. Every FSDP module gets a gradient divide factor of 1
     and sum-only reductions: the reduce-scatter sums the ranks' gradients
     (the divide factor of the root does not reach the inner units, and
@@ -120,11 +117,11 @@ def shard_module(module, shard_classes=None, **kwargs):
     Parameters
     ----------
     module : torch.nn.Module
-      The module; ``fully_shard`` moves each unit to the mesh's device as
+      The module; ``fully_shard`` moves each module to the mesh's device as
       it shards it.
 
     shard_classes : sequence of classes or class names, or None
-      See :func:`units_of`.
+      See :func:`modules_to_shard`.
 
     **kwargs
       Passed on to ``fully_shard`` (``mesh``, ``mp_policy``, ...).
@@ -135,8 +132,8 @@ def shard_module(module, shard_classes=None, **kwargs):
       The same object, now an ``FSDPModule``.
 
     """
-    for unit in units_of(module, shard_classes):
-        fully_shard(unit, **kwargs)
+    for part in modules_to_shard(module, shard_classes):
+        fully_shard(part, **kwargs)
     fully_shard(module, **kwargs)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
@@ -293,7 +290,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     :func:`torch.distributed.init_process_group` before ``fit``. Use it
     instead of :class:`~skorch_gradacc.DistributedGradAccMixin` when the
     model, its gradients and its optimizer state do not fit on one device:
-    each rank holds ``1 / world_size`` of each, and gathers one unit's
+    each rank holds ``1 / world_size`` of each, and gathers one sharded module's
     parameters at a time. The iterator is sharded, and the step weighted,
     as with DDP; every rank runs as many passes (zero-row ones where it has
     no micro-batch), so validation, prediction, ``save_params`` and
@@ -309,7 +306,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     Parameters
     ----------
     shard_classes : sequence of classes or class names, or None (default=None)
-      The submodule classes whose instances each become an FSDP unit, e.g.
+      The submodule classes whose instances each are sharded apart, e.g.
       the transformer block. By default: the classes a Hugging Face model
       names in ``_no_split_modules`` and PyTorch's transformer layers, or,
       for a model without them, every member holding parameters of a
@@ -388,7 +385,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         super().initialize_module()
         if isinstance(self.module_, FSDPModule):
             return self
-        # fully_shard moves each unit to the mesh's device as it shards it,
+        # fully_shard moves each module to the mesh's device as it shards it,
         # so that the whole module never has to fit there
         kwargs = {'mesh': self._mesh()}
         if self.mixed_precision is not None:

@@ -1,120 +1,65 @@
-"""Memory: the budget, the plan of ``micro_batch_size='auto'``, the back-off.
+"""Memory: the budget of ``micro_batch_size='auto'``, its plan, the back-off.
 
-:func:`parse_budget` and :func:`available_memory` give the bytes a fit may
-add; :func:`plan_memory` plans the pieces before the first step; after an
-allocation failure, :func:`back_off` halves them and replays the group;
-:func:`track_activation_memory` counts the bytes saved for backward. The
-docs' memory page says what is measured and where a plan can be wrong.
+A budget is the peak memory a fit may add to what the process holds when
+``fit`` starts, counted as a container and a GPU count it: on the CPU,
+resident memory; on CUDA, what torch's caching allocator reserves
+(:mod:`skorch_gradacc.meters` measures). ``fit_memory`` measures
+each fit; :func:`plan_memory` plans the pieces before the first step from
+measured passes; ``accumulate_within_budget`` backs off and replays a
+step after an allocation error. The docs' memory page says what the net
+does, what it guarantees and where it can be wrong.
 """
 
+import collections
 import contextlib
-import ctypes
-import ctypes.util
 import functools
 import math
 import re
-import resource
 import time
+import types
 
-import numpy as np
 import torch
 
 from skorch_gradacc.batching import (
-    arrays_in,
+    batch_cost,
     batch_len,
+    cost_per_row,
+    even_piece_rows,
     is_positive_int,
+    nbytes,
+    planned_rows,
+    rows_within,
     split_batch,
 )
-from skorch_gradacc.counting import restore_buffers
+from skorch_gradacc.counting import (
+    net_optimizers,
+    restore_buffers,
+    snapshot_buffers,
+)
+from skorch_gradacc.meters import MemoryMeter, fix_malloc_threshold
 
-__all__ = ['ActivationMemory', 'PeakMemory', 'available_memory', 'batch_cost',
-           'is_out_of_memory', 'largest_cost', 'parse_budget',
-           'track_activation_memory']
-
-
-class ActivationMemory:
-    """Running and peak bytes of tensors saved for backward.
-
-    Attributes
-    ----------
-    current_bytes : int
-      Bytes saved by graphs that are still alive.
-
-    peak_bytes : int
-      The largest value ``current_bytes`` reached.
-
-    """
-
-    def __init__(self):
-        self.current_bytes = 0
-        self.peak_bytes = 0
-
-    @property
-    def peak_mib(self):
-        """The peak in MiB."""
-        return self.peak_bytes / 2 ** 20
-
-    def _pack(self, tensor):
-        return _Saved(self, tensor)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor
-
-
-class _Saved:
-    """A saved tensor that reports its bytes until the graph releases it."""
-
-    __slots__ = ('meter', 'tensor', 'nbytes')
-
-    def __init__(self, meter, tensor):
-        self.meter = meter
-        self.tensor = tensor
-        self.nbytes = tensor.numel() * tensor.element_size()
-        meter.current_bytes += self.nbytes
-        meter.peak_bytes = max(meter.peak_bytes, meter.current_bytes)
-
-    def __del__(self):
-        self.meter.current_bytes -= self.nbytes
-
-
-@contextlib.contextmanager
-def track_activation_memory():
-    """Count the bytes of tensors saved for backward inside the block.
-
-    Tensors that several graph nodes save are counted once per node, and
-    weights that autograd keeps for backward are counted although they take
-    no extra memory. The count therefore overstates activation memory by a
-    fixed amount for a given model, whatever the batch size; compare
-    measurements with each other, not with the device.
-
-    Examples
-    --------
-    >>> import torch
-    >>> layer = torch.nn.Linear(1000, 10)
-    >>> with track_activation_memory() as memory:
-    ...     layer(torch.randn(8, 1000)).sum().backward()
-    >>> memory.peak_bytes >= 8 * 1000 * 4  # the saved input
-    True
-    >>> memory.current_bytes  # released by backward
-    0
-
-    """
-    meter = ActivationMemory()
-    with torch.autograd.graph.saved_tensors_hooks(meter._pack, meter._unpack):
-        yield meter
+__all__ = ['is_out_of_memory', 'margin', 'parse_budget', 'plan_memory']
 
 
 # The budget
 
-# the share of the budget that the plan leaves free, for what it does not
-# measure: the optimizer step's temporaries, the allocator's fragmentation,
-# and the error of the measurement
+# the share of the budget the plan leaves free, for what its passes cannot
+# show: what later batches, epochs and callbacks add, and the error of the
+# measurement
 PLAN_MARGIN = 0.1
 
-# the measured passes at each of the plan's two sizes: more give a steadier
-# peak for a longer plan
-PLAN_REPEATS = 1
+# and at least this many bytes: what a fit's small objects take (its
+# history, Python's and malloc's pages), which no pass shows, at the
+# smallest budgets
+PLAN_MARGIN_BYTES = 2 ** 20
+
+# how much larger than the largest so far a pass of the plan may be: the
+# line through the last two passes is trusted that far
+PLAN_GROWTH = 8
+
+# the passes that verify the plan's line at most: one, and one more for
+# each that took more than the line said
+PLAN_VERIFIES = 3
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
@@ -148,742 +93,353 @@ def parse_budget(value):
         "such as '2GiB' or '512MB', got {!r} instead.".format(value))
 
 
-def available_memory(device):
-    """Return the bytes this process can still allocate on ``device``.
+@contextlib.contextmanager
+def fit_memory(net):
+    """Measure a fit with ``micro_batch_size='auto'``, from its start.
 
-    * CUDA: the device's free memory (``torch.cuda.mem_get_info``) plus what
-      torch's caching allocator holds reserved but unused, and at most what
-      ``torch.cuda.set_per_process_memory_fraction`` leaves;
-    * CPU: the least of the address space left under ``RLIMIT_AS`` (its soft
-      limit minus ``VmSize``), the cgroup's ``memory.max`` (v1:
-      ``memory.limit_in_bytes``) minus its usage, and ``MemAvailable`` of
-      ``/proc/meminfo``.
-
-    None where none of them can be read (another device, another OS).
-
-    Examples
-    --------
-    >>> available_memory('cpu') > 0  # on Linux
-    True
-
+    Around the outermost ``fit`` or ``partial_fit``: keeps malloc's
+    threshold on the CPU
+    (:func:`~skorch_gradacc.meters.fix_malloc_threshold`), then the fit's
+    meter is ``net.memory_meter_``; after it, the plan records the fit's
+    peak as ``'measured_peak'``.
     """
-    device = torch.device(device)
-    if device.type == 'cuda':
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        available = free + torch.cuda.memory_reserved(device) - allocated
-        fraction = getattr(torch.cuda, 'get_per_process_memory_fraction', None)
-        if fraction is not None:
-            available = min(available, int(fraction(device) * total) - allocated)
-        return available
-    if device.type != 'cpu':
-        return None
-    limits = [_proc_bytes('/proc/meminfo', 'MemAvailable'), _cgroup_headroom(),
-              _address_space_left()]
-    limits = [limit for limit in limits if limit is not None]
-    return max(0, min(limits)) if limits else None
-
-
-def _address_space_left():
-    """Return the soft ``RLIMIT_AS`` less ``VmSize``, or None without one."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    size = _proc_bytes('/proc/self/status', 'VmSize')
-    return None if soft == resource.RLIM_INFINITY or size is None else \
-        soft - size
-
-
-def compiled_code_bytes():
-    """Return the bytes of code compiled at run time, mapped in this process.
-
-    The anonymous executable mappings of ``/proc/self/maps``: oneDNN
-    compiles code for each new shape of a convolution, which a cap on the
-    address space (``RLIMIT_AS``) counts, though little of it is resident.
-    0 where the file cannot be read.
-
-    Examples
-    --------
-    >>> compiled_code_bytes() >= 0
-    True
-
-    """
+    if net.micro_batch_size != 'auto' or getattr(net, 'memory_meter_', None):
+        yield
+        return
+    device = torch.device(net.device or 'cpu')
+    if device.type == 'cpu':
+        fix_malloc_threshold()
+    net.memory_meter_ = meter = MemoryMeter(device)
     try:
-        with open('/proc/self/maps', 'rb') as maps:
-            text = maps.read()
-    except OSError:
-        return 0
-    # one bytes object and a match per mapping of code, not an object per
-    # line: under a cap, a new arena of Python's small objects counts too
-    return sum(int(end, 16) - int(start, 16)
-               for start, end in _ANONYMOUS_CODE.findall(text))
+        yield
+    finally:
+        net.memory_meter_ = None
+        plan = getattr(net, 'memory_plan_', None)
+        if plan is not None:
+            plan['measured_peak'] = meter.highest()
 
 
-# start-end, permissions with x, offset, device, inode, and no file name
-_ANONYMOUS_CODE = re.compile(
-    rb'^([0-9a-f]+)-([0-9a-f]+) ..x. \S+ \S+ \S+ *$', re.MULTILINE)
-
-
-def _proc_bytes(path, key):
-    """Return the ``key: N kB`` line of a /proc file in bytes, or None."""
-    try:
-        with open(path) as lines:
-            for line in lines:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _cgroup_headroom():
-    """Return the process's cgroup memory limit minus its usage, or None."""
-    try:
-        with open('/proc/self/cgroup') as lines:
-            entries = [line.rstrip('\n').split(':', 2) for line in lines]
-    except OSError:
-        return None
-    candidates = []
-    for _, controllers, path in entries:
-        if controllers == '':  # v2; in a namespace, the mount is the cgroup
-            candidates += [('/sys/fs/cgroup' + path, 'memory.max',
-                            'memory.current'),
-                           ('/sys/fs/cgroup', 'memory.max', 'memory.current')]
-        elif 'memory' in controllers.split(','):  # v1
-            candidates += [('/sys/fs/cgroup/memory' + path,
-                            'memory.limit_in_bytes', 'memory.usage_in_bytes'),
-                           ('/sys/fs/cgroup/memory', 'memory.limit_in_bytes',
-                            'memory.usage_in_bytes')]
-    for folder, limit, usage in candidates:
-        try:
-            with open(folder + '/' + limit) as f_limit, \
-                    open(folder + '/' + usage) as f_usage:
-                limit, usage = f_limit.read().strip(), f_usage.read().strip()
-        except OSError:
-            continue
-        # 'max', or v1's largest page-aligned number: no limit
-        if limit == 'max' or int(limit) >= 2 ** 60:
-            return None
-        return int(limit) - int(usage)
-    return None
-
-
-# The measurement
-
-class PeakMemory:
-    """The peak memory allocated on a device above a baseline.
-
-    The baseline is what is allocated when the object is made;
-    :meth:`window` measures a block, :meth:`peak` returns its peak above the
-    baseline (above the window's start with ``start=True``) and :meth:`held`
-    what is allocated now above the baseline; :attr:`windows` counts the
-    windows. :attr:`method` says how:
-    ``'cuda'`` (``torch.cuda.max_memory_allocated``), ``'rss'`` (the CPU's
-    resident high-water mark ``VmHWM``, reset through
-    ``/proc/self/clear_refs`` after ``malloc_trim``, less the growth of
-    ``RssFile``: code paged in), or, where that cannot be reset,
-    ``'saved_tensors'`` (:func:`track_activation_memory`).
-
-    Parameters
-    ----------
-    device : str or torch.device
-      The device whose memory is measured.
-
-    Examples
-    --------
-    >>> import torch
-    >>> meter = PeakMemory('cpu')
-    >>> with meter.window():
-    ...     x = torch.ones(2 ** 20)
-    >>> meter.method in ('rss', 'saved_tensors')
-    True
-
-    """
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        if self.device.type == 'cuda':
-            self.method = 'cuda'
-        else:
-            self.method = 'rss' if _reset_rss_peak() else 'saved_tensors'
-        self._saved, self.windows = None, 0
-        self.baseline = self._start = self._current()
-        self._file_baseline = self._file_start = self._file_pages()
-        self._held_baseline = self._current(held=True)
-
-    def _current(self, held=False):
-        if self.method == 'cuda':
-            return torch.cuda.memory_allocated(self.device)
-        if self.method == 'rss':
-            # what stays: anonymous memory, not the pages of code loaded
-            return _proc_bytes('/proc/self/status',
-                               'RssAnon' if held else 'VmRSS') or 0
-        return 0
-
-    def _file_pages(self):
-        # VmHWM counts the pages of code and files read in too, which a
-        # first pass of a kernel adds once: the peak leaves them out
-        if self.method != 'rss':
-            return 0
-        return _proc_bytes('/proc/self/status', 'RssFile') or 0
-
-    def reset(self):
-        """Start a new window: its peak is what is allocated now."""
-        if self.method == 'cuda':
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.method == 'rss':
-            _reset_rss_peak()
-        self._start = self._current()
-        self._file_start = self._file_pages()
-
-    def held(self):
-        """Return the bytes held now above the baseline (CPU: anonymous)."""
-        return self._current(held=True) - self._held_baseline
-
-    @contextlib.contextmanager
-    def window(self):
-        """Measure the block: :meth:`peak` is the peak inside it."""
-        self.windows += 1
-        self.reset()
-        if self.method != 'saved_tensors':
-            yield self
-            return
-        with track_activation_memory() as self._saved:
-            yield self
-
-    def peak(self, start=False):
-        """Return the window's peak bytes above the baseline, or its start."""
-        if self.method == 'cuda':
-            peak = torch.cuda.max_memory_allocated(self.device)
-        elif self.method == 'rss':
-            peak = _proc_bytes('/proc/self/status', 'VmHWM')
-        else:
-            return self._saved.peak_bytes if self._saved is not None else None
-        files = self._file_pages() - (self._file_start if start
-                                      else self._file_baseline)
-        return max(0, peak - files - (self._start if start else self.baseline))
-
-
-def _reset_rss_peak():
-    """Give malloc's free memory back and reset VmHWM; whether it worked."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    try:
-        with open('/proc/self/clear_refs', 'w') as clear_refs:
-            clear_refs.write('5')
-    except OSError:
-        return False
-    return _proc_bytes('/proc/self/status', 'VmHWM') is not None
-
-
-def _load_libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
-        return libc if hasattr(libc, 'malloc_trim') else None
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
-
-
-# The cost of a batch
-
-def batch_cost(batch):
-    """Return the cost of a batch: the elements of its largest input.
-
-    The input is ``X`` of a batch ``(X, y, ...)``, or the largest tensor or
-    array of a dict, list or tuple ``X``: rows times padded length for
-    token batches. None if ``X`` holds none; then the cost is the rows.
-
-    Examples
-    --------
-    >>> import torch
-    >>> batch_cost(({'input_ids': torch.zeros(4, 7), 'mask': None}, None))
-    28
-
-    """
-    X = batch[0] if isinstance(batch, (tuple, list)) else batch
-    sizes = [int(np.prod(x.shape, dtype=np.int64)) for x in arrays_in(X)]
-    return max(sizes) if sizes else None
-
-
-def _cost_per_row(batch):
-    rows, cost = batch_len(batch), batch_cost(batch)
-    return cost / rows if cost and rows else 1.0
-
-
-def _nbytes(data):
-    """Return the bytes of the tensors and arrays in ``data``.
-
-    Of a DTensor, this rank's shard.
-    """
-    total = 0
-    for array in arrays_in(data):
-        if hasattr(array, 'to_local'):  # a DTensor
-            array = array.to_local()
-        total += array.nbytes if isinstance(array, np.ndarray) else (
-            array.nelement() * array.element_size())
-    return total
-
+# Pieces
 
 def split_micro_batch(net, micro, group):
     """Return the pieces of ``micro`` that go through the module one by one.
 
     With a plan, as few pieces as the most rows whose cost is at most its
     ``max_cost`` (at least 1) take, as even as can be
-    (:func:`even_piece_rows`); else
+    (``even_piece_rows``); else
     :meth:`~skorch_gradacc.GradAccMixin.get_micro_batch_size` rows. Notes
     ``rows_in_flight``, ``piece_rows`` and ``cost_per_row`` on ``group``
     for a back-off.
     """
     plan = getattr(net, 'memory_plan_', None)
     rows = group.rows_in_flight = batch_len(micro)
-    group.cost_per_row = _cost_per_row(micro)
-    if plan is None or plan['max_cost'] is None:
+    group.cost_per_row = cost_per_row(micro)
+    if plan is None:
         size = net.get_micro_batch_size()
     else:
-        size = even_piece_rows(rows, _rows_within(
+        size = even_piece_rows(rows, rows_within(
             plan['max_cost'], group.cost_per_row, rows))
     group.piece_rows = rows if size is None else min(size, rows)
     return [micro] if group.piece_rows >= rows else split_batch(micro, size)
 
 
-def _rows_within(cost, per_row, rows):
-    """Return the most rows, 1 to ``rows``, whose cost is at most ``cost``."""
-    return max(1, min(rows, int(cost / per_row + 1e-9)))
+def eval_pieces(net, batch):
+    """Return the pieces of a validation or prediction batch, or None.
 
-
-def even_piece_rows(rows, size):
-    """Return the rows of the first pieces of ``rows`` cut at most ``size``.
-
-    As many pieces as ``size`` takes, as even as can be: the same passes in
-    less memory, and fewer shapes, for each of which a convolution may
-    compile code (oneDNN).
-
-    Examples
-    --------
-    >>> even_piece_rows(128, 37)  # 4 pieces of 32, not 37, 37, 37 and 17
-    32
-
+    Pieces of ``micro_batch_size`` rows (with ``'auto'``, the size found);
+    None (the batch as it is) without it, or for a batch that fits.
     """
-    rows = max(rows, 1)  # a rank's empty share: one piece
-    return -(-rows // -(-rows // size))
+    size = net.get_micro_batch_size()
+    if size is None or batch_len(batch) <= size:
+        return None
+    return split_batch(batch, size)
 
 
 # The plan
 
+# a pass of the plan: its peak, what was held at its start (with the
+# gradients) and after it, above the fit's start, and its outputs' bytes
+# per row
+Pass = collections.namedtuple('Pass', 'peak start after out')
+
+
 def plan_memory(net, group, buffers, **fit_params):
     """Plan the pieces of ``micro_batch_size='auto'`` before the first step.
 
-    Forward and backward passes on the first rows of the group's first
-    micro-batch, at a sixteenth of it and twice that, once each
-    (:data:`PLAN_REPEATS`) after a warm-up pass, fit ``peak = fixed +
-    slope * cost`` (:func:`batch_cost`); ``fixed`` adds the optimizer
-    state of the first step (:func:`optimizer_state_bytes`) and what the
-    group and the callbacks keep. The loss check (``check_loss``) runs on
-    their shapes. The plan, the largest cost that fits the budget (at most
-    what ``RLIMIT_AS`` leaves) less :data:`PLAN_MARGIN`, the least over
-    ranks, in even pieces (:func:`even_piece_rows`), is then tried beside a
-    stand-in of that state, and cut to three quarters while the try fails
-    to allocate; the line through the try may shrink it, or grow it with
-    one more try (:func:`_refine`). Under ``RLIMIT_AS``, each shape no pass
-    ran takes the code the larger pass compiled (:func:`_largest_piece_cost`),
-    and a failed try halves. It goes to ``net.memory_plan_``. The passes
-    leave no gradient, buffer (``buffers``, restored) or random state
-    changed.
+    From peaks measured above what the process held when the fit started,
+    after malloc gave back what it held free:
 
-    Skipped until a first micro-batch of 2 rows or more.
+    1. a step (``first_step_memory``): what is held, the gradients, and the
+       optimizers' new state and temporaries;
+    2. passes, forward and backward beside zero gradients (as a step's
+       later pieces), on the first rows of the group's first micro-batch:
+       2 rows (1 if they take too much), twice that if it stays within the
+       budget in proportion, then up to ``PLAN_GROWTH`` times the largest
+       pass, half the rows that the line through the two largest lets
+       through (small passes can show half the slope), and no more than
+       fit in proportion to the largest pass;
+    3. passes that verify the line, at most ``PLAN_VERIFIES``, once within
+       twice the largest pass: the most rows the line and the proportion
+       let through, in pieces of
+       :func:`~skorch_gradacc.batching.planned_rows`.
+
+    A pass's peak in the fit is its peak here, with what later passes left
+    held, the optimizers' new state and what the group keeps. The plan is
+    the pieces of the largest pass whose peak fits the budget less the
+    :func:`margin`, the least over ranks, as a cost (``batch_cost``) for
+    other micro-batches; it goes to ``net.memory_plan_``: ``'budget'``,
+    ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
+    elements), ``'predicted_peak'`` and, after the fit, ``'measured_peak'``
+    (bytes), ``'plan_seconds'``, ``'passes'`` (each one's rows and peak)
+    and ``'method'``. A budget that one row does not fit raises a
+    ValueError. The passes leave no gradient, buffer (``buffers``) or
+    random state changed.
     """
-    engine = net.get_engine()
-    start = time.perf_counter()
+    engine, start = net.get_engine(), time.perf_counter()
     first = next(iter(group.micro_batches()), None)  # the group keeps it
     rows = 0 if first is None else batch_len(first)
-    if not engine.all_ranks(rows >= 2):
-        return
-    device = _device_of(net)
-    budget = parse_budget(net.memory_budget)
-    if budget is None:
-        budget = available_memory(device)
-    meter = PeakMemory(device)
-    per_row = _cost_per_row(first)
-    kept = (group.size - 1) * _nbytes(first) if group.keep else 0
-    state = optimizer_state_bytes(net)
-    with torch.random.fork_rng(
-            devices=[device] if device.type == 'cuda' else []):
-        trials, out_bytes, code = _trials(net, engine, meter, first,
-                                          buffers, **fit_params)
-        # on the larger pass's piece and its halves, the smaller's shape:
-        # what the check maps (oneDNN's code for a new shape) is counted in
-        # the address space read next, not met by the first step
-        checking = time.perf_counter()
-        net._check_loss_on(split_batch(first, trials[1][0])[0], **fit_params)
-        check_seconds = time.perf_counter() - checking
-        meter.reset()  # malloc hands back what the passes freed
-        left = _address_space_left() if device.type == 'cpu' else None
-        if left is not None and budget is not None:
-            # the passes map more than they hold (caches of each shape, the
-            # heap): under RLIMIT_AS, what is left of it bounds the plan
-            budget = min(budget, max(0, meter.held()) + left)
-        else:
-            code = 0  # compiled code is address space, little of it resident
-        code = -engine.min_over_ranks(-code)  # the same tries on every rank
-        (cost_1, peak_1), (cost_2, peak_2) = [
-            (size * per_row, peak) for size, peak in trials]
-        slope = max(0.0, (peak_2 - peak_1) / (cost_2 - cost_1))
-        if getattr(net, '_keep_train_y_pred_', False):
-            kept += out_bytes * rows * group.size
-        # max(0, held): the caches and thread pools of a first pass
-        fixed = (max(0.0, peak_1 - slope * cost_1) + state + kept
-                 + max(0, meter.held()))
-        ran = [size for size, _ in trials]
-        piece_cost = functools.partial(_largest_piece_cost, first, budget,
-                                       code)
-        max_cost = piece_cost(fixed, slope, ran)
-        max_cost = engine.min_over_ranks(
-            _NO_LIMIT if max_cost is None else max_cost)
-        planned = even_piece_rows(rows, _rows_within(max_cost, per_row, rows))
-        # beside the state and what is kept, half the margin: the try shows
-        # its pass, not what a cap counts of later steps (address space)
-        reserve = state + kept + int(PLAN_MARGIN / 2 * (budget or 0))
-        tried, peak, failed = _verify(
-            net, engine, meter, first, planned, reserve, buffers, ran=ran,
-            code=code, **fit_params)
-        if tried < planned:
-            planned, max_cost = tried, math.ceil(tried * per_row)
-        if planned * per_row > cost_1:
-            line = (cost_1, peak_1, planned * per_row, peak)
-            planned, max_cost, fixed, slope = _refine(
-                net, engine, meter, first, line, piece_cost, fixed, slope,
-                planned, max_cost, failed, reserve, buffers,
-                ran=ran + sorted(_piece_shapes(rows, planned)), **fit_params)
-    predicted = int(fixed + slope * planned * per_row)
+    meter = getattr(net, 'memory_meter_', None) or MemoryMeter(
+        net.device or 'cpu')
+    budget = parse_budget(net.memory_budget) or meter.available
+    if not engine.all_ranks(meter.method is not None and budget is not None
+                            and rows >= 1):
+        return  # nothing to measure or nothing known: back off only
+    # the group's other micro-batches, and the next one, loaded beside them
+    kept = group.size * nbytes(first) if group.keep else 0
+    limit = budget - margin(budget)
+    held = meter.held() + nbytes(_learnable(net))  # and the gradients
+    _refuse_unless(net, engine, held + kept <= limit, budget, held + kept)
+    meter.reset(release=True)  # the passes' memory shows, not reused unseen
+    with torch.random.fork_rng(devices=[meter.device] * (
+            meter.device.type == 'cuda')):
+        state, step = first_step_memory(net, meter)
+        _refuse_unless(net, engine, step + kept <= limit, budget, step + kept)
+        step -= meter.held()  # what a step adds to what is held
+        passes, size, verifies = {}, min(2, rows), 0
+        while size:
+            passes[size] = _pass(net, engine, meter, first, size, **fit_params)
+            if len(passes) == 1 and passes[size] and getattr(
+                    net, '_keep_train_y_pred_', False):
+                kept += passes[size].out * rows * group.size  # the y_pred kept
+            line = _line(passes, limit - state - kept, rows, meter.held())
+            size, verifies = _next_pass(passes, line, rows, budget, verifies)
+            size = engine.min_over_ranks(size)
+            verifies = -engine.min_over_ranks(-verifies)
+        restore_buffers(buffers or ())
+    smallest = passes[min(passes)]
+    if smallest is None:
+        raise RuntimeError(_ONE_ROW)
+    _refuse_unless(net, engine, line.good, budget,
+                   line.now(smallest) + state + kept)
+    per_row = cost_per_row(first)
+    max_cost = engine.min_over_ranks(math.ceil(
+        per_row * planned_rows(rows, line.good)))
+    planned = planned_rows(rows, rows_within(max_cost, per_row, rows))
     net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
-        'budget': budget,
-        'unit': 'rows' if batch_cost(first) is None else 'elements',
-        'micro_batch_size': planned,
-        'max_cost': None if max_cost == _NO_LIMIT else max_cost,
-        'fixed': int(fixed),
-        'slope': slope,
-        'predicted_peak': predicted,
-        'measured_peak': None,
-        # the loss check's, which a fit runs without a plan too, left out
-        'plan_seconds': time.perf_counter() - start - check_seconds,
-        'loss_check_seconds': check_seconds,
-        'method': meter.method,
-        'code_per_shape': code,
-        'trials': [(cost_1, peak_1), (cost_2, peak_2)],
-        'passes': meter.windows,
-    }
-    row = net._current_batch_row()
-    if row is not None:
-        row['memory_plan_predicted'] = predicted
-    meter.reset()  # the first step's peak, above the same baseline
-    net._memory_meter_ = meter
+        'budget': budget, 'method': meter.method, 'max_cost': max_cost,
+        'cost': 'rows' if batch_cost(first) is None else 'elements',
+        'micro_batch_size': planned, 'measured_peak': None,
+        'predicted_peak': int(max(line.peak(planned) + state,
+                                  meter.held() + step) + kept),
+        'plan_seconds': time.perf_counter() - start,
+        'passes': [(size, result and int(result.peak))
+                   for size, result in passes.items()]}
+    meter.reset()
 
 
-def _refine(net, engine, meter, first, line, piece_cost, fixed, slope,
-            planned, max_cost, failed, reserve, buffers, ran, **fit_params):
-    """Return the plan on the line through the try and the smaller pass.
+def margin(budget):
+    """Return the bytes of ``budget`` that a plan leaves free.
 
-    The peak of a small pass falls where a gradient is added, of a large
-    one where the activations are largest, so two small passes can
-    overstate what the plan's size takes. ``line``: ``(cost_1, peak_1,
-    cost_t, peak_t)``. The plan shrinks if the try took more than the passes
-    said. It grows with one more try if the line lets through fewer pieces
-    of the micro-batch, with half the margin (a try measures what the margin
-    is for), and less than the rows whose try ``failed``. ``piece_cost``:
-    :func:`_largest_piece_cost` of the plan; ``ran``: the sizes of the
-    passes so far. Returns ``(planned, max_cost, fixed, slope)``.
-    """
-    rows, per_row = batch_len(first), _cost_per_row(first)
-    cost_1, peak_1, cost_t, peak_t = line
-    slope_t = max(0.0, (peak_t - peak_1) / (cost_t - cost_1))
-    fixed += (max(0.0, peak_1 - slope_t * cost_1)
-              - max(0.0, peak_1 - slope * cost_1))
-    cost = piece_cost(fixed, slope_t, ran, margin=PLAN_MARGIN / 2,
-                      below=failed)
-    cost = engine.min_over_ranks(_NO_LIMIT if cost is None else cost)
-    grown = _rows_within(cost, per_row, rows)
-    if failed is not None and grown >= failed:
-        grown, cost = failed - 1, math.ceil((failed - 1) * per_row)
-    grown = even_piece_rows(rows, grown)
-    if grown < planned:  # the try took more than the passes said
-        return grown, cost, fixed, slope_t
-    # once, and only where it saves a pass (even pieces: larger ones are
-    # fewer): each try costs one
-    if grown > planned and _try(
-            net, engine, meter, first, grown, reserve, buffers,
-            **fit_params) is not None:
-        # no more than the try passed where it took whole batches
-        return grown, (cost if grown < rows else math.ceil(
-            grown * per_row)), fixed, slope_t
-    return planned, max_cost, fixed, slope_t
-
-
-def largest_cost(budget, fixed, slope, margin=PLAN_MARGIN):
-    """Return the largest cost per piece that the plan lets through.
-
-    The largest whole ``cost`` with ``fixed + slope * cost`` at most
-    ``budget`` less ``margin`` (by default :data:`PLAN_MARGIN`, 10%): 0 if
-    ``fixed`` alone is more, None where nothing limits it (no budget, or no
-    slope).
+    ``PLAN_MARGIN`` of it, and at least ``PLAN_MARGIN_BYTES``.
 
     Examples
     --------
-    >>> largest_cost(budget=1000, fixed=100, slope=2)  # 100 + 2 * 400 = 900
-    400
+    >>> margin(100 * 2 ** 20) / 2 ** 20, margin(4 * 2 ** 20) / 2 ** 20
+    (10.0, 1.0)
 
     """
-    if budget is None:
-        return None
-    left = budget * (1 - margin) - fixed
-    if left <= 0:
-        return 0
-    return None if slope <= 0 else int(left / slope)
+    return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
 
 
-def _largest_piece_cost(first, budget, code, fixed, slope, ran,
-                        margin=PLAN_MARGIN, below=None):
-    """Return the largest cost of ``first``'s pieces whose pass fits.
+def _next_pass(passes, line, rows, budget, verifies):
+    """Return the rows of the plan's next pass (0: none), and the verifies.
 
-    As :func:`largest_cost`, with ``code`` bytes for each shape of the
-    pieces (their size, the last piece's) that no pass ran (``ran``): a cap
-    on the address space counts the code compiled for a new shape (oneDNN's
-    convolutions). A size that ran, in even pieces, needs no margin: its
-    peak was measured, not extrapolated, and its try (beside the state and
-    half the margin) maps no new code, so a failed one costs a pass. With
-    code, of pieces of fewer rows than ``below`` (a failed try's).
+    No pass is larger than the rows that fit in proportion (``line.safe``):
+    a pass near the budget would be the fit's peak, and over a container's
+    limit, its end.
     """
-    cost = largest_cost(budget, fixed, slope, margin)
-    if not code or not cost:  # None: nothing limits it; 0: nothing fits
-        return cost
-    rows, per_row = batch_len(first), _cost_per_row(first)
-    below = below or rows + 1
-
-    def fits(size, margin):
-        new = len(_piece_shapes(rows, size) - set(ran))
-        return size < below and size * per_row <= largest_cost(
-            budget, fixed + new * code, slope, margin)
-
-    sizes = [size for size in ran if even_piece_rows(rows, size) == size
-             and fits(size, 0)]
-    # the largest new size: from the fewest pieces the budget allows
-    for count in range(-(-rows // _rows_within(cost, per_row, rows)),
-                       rows + 1):
-        if fits(-(-rows // count), margin):
-            sizes.append(-(-rows // count))
-            break
-    return math.ceil(max(sizes) * per_row) if sizes else 0
+    last = passes[next(reversed(passes))]
+    if not line.good:  # one row, before refusing
+        return (1 if min(passes) > 1 else 0), 0
+    if len(passes) == 1:  # twice the rows, if their pass fits in proportion
+        doubled = 2 * last.peak - last.start <= budget and 2 * line.good <= rows
+        return (2 * line.good if doubled else 0), 0
+    size = planned_rows(rows, min(line.rows, line.safe))
+    if size <= line.good or size in passes or verifies >= PLAN_VERIFIES:
+        return 0, verifies
+    if size <= 2 * line.good:  # close enough to verify the line
+        return size, verifies + 1
+    grown = planned_rows(rows, min(PLAN_GROWTH * line.good, line.rows // 2,
+                                   line.safe))
+    return (grown, verifies) if grown > line.good else (0, verifies)
 
 
-def _piece_shapes(rows, size):
-    """Return the rows of the pieces of ``rows`` cut at ``size``: 1 or 2."""
-    return {size, rows - (-(-rows // size) - 1) * size}
+class _Line(types.SimpleNamespace):
+    """What ``_line`` returns: ``peak`` on the line, ``now``."""
+
+    def peak(self, rows):
+        return self.peak_1 + self.slope * (rows - self.rows_1)
+
+    def now(self, result):
+        """Return a pass's peak with what later passes left held."""
+        return result.peak + max(0, self.held - result.after)
 
 
-def record_measured_peak(net):
-    """Record the peak of the first planned step, after it."""
-    meter, net._memory_meter_ = getattr(net, '_memory_meter_', None), None
-    if meter is None:
+def _line(passes, room, rows, held):
+    """Return the most rows whose pass's peak fits ``room``, on a line.
+
+    Peaks with what the passes left ``held`` since (``_Line.now``).
+    The line runs through the largest pass that fits, ``good`` (0: none),
+    and the least that took more, else the largest that fits of at most
+    half its rows, else through its start in proportion to its rows. Its
+    rows are at least ``good``, at most ``rows`` and below any pass that
+    failed or took more.
+    """
+    line = _Line(rows=0, good=0, slope=0, rows_1=0, peak_1=0, room=room,
+                 held=held, safe=0)
+    peaks = {size: result and line.now(result) for size, result in passes.items()}
+    over = [size for size, peak in peaks.items() if peak is None or peak > room]
+    fits = sorted(size for size in peaks if size not in over)
+    if not fits:
+        return line
+    good = fits[-1]
+    other = [size for size in sorted(over) if peaks[size]][:1] or [
+        size for size in fits if 2 * size <= good][-1:]
+    # the slope of the passes' own peaks: what they left held grows too
+    slope = max(0.0, (passes[other[0]].peak - passes[good].peak) / (
+        other[0] - good) if other else (passes[good].peak - passes[good].start)
+        / good)
+    fit = rows if slope == 0 else int(good + (room - peaks[good]) / slope)
+    ceiling = min(over + [rows + 1]) - 1
+    # in proportion to the rows, from the pass's start: more memory than
+    # the line gives, where a pass takes some whatever its rows
+    took = passes[good].peak - passes[good].start
+    safe = ceiling if took <= 0 else int(good * (room - (
+        peaks[good] - took)) / took)
+    line.__dict__.update(rows=max(good, min(fit, ceiling)), good=good,
+                         slope=slope, rows_1=good, peak_1=peaks[good],
+                         safe=max(good, min(safe, ceiling)))
+    return line
+
+
+def _refuse_unless(net, engine, fits, budget, need):
+    """Raise the ValueError of a budget too small for one row, on every rank.
+
+    ``need``: the bytes this rank's pieces of one row need, as far as known.
+    """
+    if engine.all_ranks(fits):
         return
-    measured = net.memory_plan_['measured_peak'] = meter.peak()
-    row = net._current_batch_row()
-    if row is not None:
-        row['memory_plan_measured'] = measured
+    least = -engine.min_over_ranks(-math.ceil(0 if fits else max(
+        need / (1 - PLAN_MARGIN), need + PLAN_MARGIN_BYTES)))
+    if fits:
+        given = "another rank's budget is"
+    elif net.memory_budget is None:
+        given = ('the memory this process can still take (memory_budget=None) '
+                 'is {:.1f} MiB,'.format(budget / 2 ** 20))
+    else:
+        given = 'memory_budget={!r} is {:.1f} MiB,'.format(
+            net.memory_budget, budget / 2 ** 20)
+    raise ValueError(
+        "micro_batch_size='auto': {} less than pieces of one row need: at "
+        "least {:.1f} MiB (predicted, with the plan's margin); give a larger "
+        "budget, or use a smaller model or less data per row.".format(
+            given, least / 2 ** 20))
 
 
-_NO_LIMIT = 2 ** 62  # the plan's cost per piece when nothing limits it
+def _learnable(net):
+    return [param for _, param in net.get_all_learnable_params()
+            if param.requires_grad]
+
+
+def _pass(net, engine, meter, first, rows, **fit_params):
+    """Return the ``Pass`` of a pass on the first ``rows`` of ``first``.
+
+    Forward and backward as a step's later piece: beside zero gradients,
+    in the engine's ``plan_context``. None where it failed to allocate, on
+    any rank: each rank runs the same passes (FSDP2's gather and reduce),
+    a rank whose pass failed a zero-row one (``join_plan_pass``).
+    """
+    piece, params = split_batch(first, rows)[0], _learnable(net)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    # what a step holds that the zeros do not show: FSDP2's unsharded
+    # gradient beside its shard
+    extra = engine.plan_gradient_bytes(params) - nbytes(
+        [param.grad for param in params])
+
+    def run(piece):
+        with engine.plan_context(), net.autocast():
+            return net.train_step_single(piece, **fit_params)
+
+    meter.reset()
+    start, result = meter.held() + extra, None
+    try:
+        step = run(piece)
+        result = [meter.peak() + extra, start, nbytes(
+            step.get('y_pred') if isinstance(step, dict) else None) / rows]
+        del step
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+    if result is None:  # outside the except block, whose traceback holds it
+        engine.join_plan_pass(run, piece)
+    net._zero_grad_optimizer()
+    if not engine.all_ranks(result is not None):
+        return None
+    peak, start, out = result
+    return Pass(peak, start, meter.held(), out)
+
+
+def first_step_memory(net, meter):
+    """Return the optimizers' new state at the first step, and a step's peak.
+
+    Measured on stand-ins: a new optimizer of each one's class and param
+    groups takes a step on zeros of its parameters' shapes, whose gradients
+    share their memory (they stand in for the gradients). The peak is above
+    what is held before. An optimizer that holds state already adds none;
+    one that cannot be made so (a class that needs more arguments) is taken
+    to add twice its parameters' bytes (Adam's state).
+    """
+    meter.reset()
+    alive, state, guessed = [], 0, 0  # the stand-ins and optimizers, kept
+    for optimizer in net_optimizers(net):
+        groups = [dict(group, params=[_standin(param) for param in group['params']])
+                  for group in optimizer.param_groups]
+        alive.append(groups)
+        if len(optimizer.state):
+            continue
+        try:
+            probe = type(optimizer)(groups)
+            probe.step()
+        except Exception:  # noqa: BLE001 (a class that needs more arguments)
+            guessed += 2 * nbytes([group['params'] for group in groups])
+            continue
+        alive.append(probe)
+        state += nbytes([list(values.values()) for values in probe.state.values()])
+    step = meter.peak() + guessed
+    del alive
+    return state + guessed, step
+
+
+def _standin(param):
+    standin = torch.zeros_like(param).requires_grad_()
+    standin.grad = standin.detach()
+    return standin
+
 
 _ONE_ROW = ("micro_batch_size='auto': a micro-batch of one row does not fit "
             "in memory; use a smaller model or less data per row.")
-
-
-def _device_of(net):
-    module = getattr(net, 'module_', None)
-    param = next(module.parameters(), None) if module is not None else None
-    return param.device if param is not None else torch.device(net.device)
-
-
-def _passes(net, engine, pieces, buffers, reserve=0, **fit_params):
-    """Run ``_trial`` on each ``(piece, meter)``; None for a failed one.
-
-    The same passes on every rank (DDP's forward may broadcast, FSDP2's
-    gathers): a rank whose pass fails joins the others' collectives
-    (``join_plan_pass``), and all of them stop.
-    """
-    results = []
-    for piece, meter in pieces:
-        result, held = None, None
-        try:
-            # the optimizer state and what is kept, as in the step (an
-            # untouched block, which the address space counts)
-            held = torch.empty(reserve, dtype=torch.uint8,
-                               device=_device_of(net)) if reserve else None
-            result = _trial(net, engine, meter, piece, **fit_params)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-        del held
-        # outside the except block, whose traceback holds the pass's tensors
-        if result is None:
-            engine.join_plan_pass(functools.partial(
-                _trial, net, engine, meter, **fit_params), piece)
-        if not engine.all_ranks(result is not None):
-            results.append(None)  # on every rank
-            break
-        results.append(result)
-    net._zero_grad_optimizer()
-    restore_buffers(buffers or ())
-    return results
-
-
-def _trials(net, engine, meter, first, buffers, **fit_params):
-    """Return the two measured ``(rows, peak)``, outputs' bytes, new code.
-
-    The outputs' bytes per row; the code compiled from the first larger
-    pass on, the first of its shape (:func:`compiled_code_bytes`). Halves
-    the sizes while a pass fails. The largest of each size's peaks counts:
-    on the CPU, malloc takes more or less for the same tensors.
-    """
-    small = max(1, batch_len(first) // 16)
-    while True:
-        sizes = [small, 2 * small]
-        order = [sizes[0]] + sizes * PLAN_REPEATS  # the first warms up
-        larger = order.index(sizes[1])
-        results = _passes(net, engine, [
-            (split_batch(first, size)[0], meter) for size in order[:larger]],
-            buffers, **fit_params)
-        code = compiled_code_bytes()  # read twice a plan: it takes ms
-        if None not in results:
-            results += _passes(net, engine, [
-                (split_batch(first, size)[0], meter)
-                for size in order[larger:]], buffers, **fit_params)
-        if None not in results:
-            peaks = [max(peak for (size_, peak, _) in results[1:]
-                         if size_ == size) for size in sizes]
-            return (list(zip(sizes, peaks)), results[-1][2] / sizes[1],
-                    compiled_code_bytes() - code)
-        if small == 1:
-            raise RuntimeError(_ONE_ROW)
-        small //= 2
-
-
-def _verify(net, engine, meter, first, planned, reserve, buffers, ran=(),
-            code=0, **fit_params):
-    """Return the rows of a try that passed, its peak, the last that failed.
-
-    From the planned rows, less a quarter while a try fails (None: none
-    failed; half where each new shape maps ``code`` bytes: fewer tries),
-    or the most rows below it of a pass that ran (``ran``), if more; in
-    even pieces (:func:`even_piece_rows`). Where the budget is
-    the device's or a hard limit's, the measured peak can miss what a cap
-    counts (the CPU's address space grows more than its resident memory):
-    one pass at the plan, beside ``reserve`` bytes, settles it.
-    """
-    failed, rows = None, batch_len(first)
-    ran = [size for size in ran if even_piece_rows(rows, size) == size]
-    while True:
-        peak = _try(net, engine, meter, first, planned, reserve, buffers,
-                    **fit_params)
-        if peak is not None:
-            return planned, peak, failed
-        if planned == 1:
-            raise RuntimeError(_ONE_ROW)
-        # a try that fails was close: smaller steps than the back-off's,
-        # unless each new shape maps code that a cap counts (oneDNN's); a
-        # shape that ran maps no more
-        smaller = planned // 2 if code else min(planned - 1, planned * 3 // 4)
-        failed, planned = planned, max([even_piece_rows(rows, smaller)] + [
-            size for size in ran if size < planned])
-
-
-def _try(net, engine, meter, first, rows, reserve, buffers, **fit_params):
-    """Return the peak of a pass on ``rows`` rows beside ``reserve`` bytes.
-
-    And of a pass on the last piece of ``first`` in pieces of ``rows``,
-    where its rows differ on some rank and the module has convolutions: a
-    cap counts the code oneDNN compiles for each of their new shapes (a
-    smaller piece of matrix products takes no more). None where a pass
-    fails to allocate, on any rank.
-    """
-    pieces = split_batch(first, rows)
-    last = pieces[-1] if (batch_len(pieces[-1]) != rows
-                          and _has_convolutions(net.module_)) else None
-    # the same passes on every rank, for the collectives of each
-    pieces = pieces[:1] + ([] if engine.all_ranks(last is None)
-                           else [pieces[0] if last is None else last])
-    results = _passes(net, engine, [(piece, meter) for piece in pieces],
-                      buffers, reserve, **fit_params)
-    return None if None in results else max(peak for _, peak, _ in results)
-
-
-_CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
-                 torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
-                 torch.nn.ConvTranspose3d)
-
-
-def _has_convolutions(module):
-    """Whether ``module`` has a convolution layer (oneDNN's, on the CPU)."""
-    return any(isinstance(layer, _CONVOLUTIONS) for layer in module.modules())
-
-
-def _trial(net, engine, meter, piece, **fit_params):
-    """Run forward and backward on ``piece``; return its peak and outputs.
-
-    As a piece after the first of a step: its gradients are added to those
-    held, so each parameter's new gradient is held beside them for a while.
-    """
-    params = [param for _, param in net.get_all_learnable_params()
-              if param.requires_grad]
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    with meter.window():
-        with engine.plan_context(), net.autocast():
-            step = net.train_step_single(piece, **fit_params)
-        # with the gradients the step holds before the window
-        peak = meter.peak(start=True) + engine.plan_gradient_bytes(params)
-    return (batch_len(piece), peak,
-            _nbytes(step.get('y_pred') if isinstance(step, dict) else None))
-
-
-def optimizer_state_bytes(net):
-    """Return the bytes of state the optimizers create at their first step.
-
-    0 for an optimizer that holds state already. Else a zero stand-in of
-    each shape of parameter steps once in a new optimizer of the same class
-    and settings, and its state is counted; twice the parameters' bytes
-    (Adam's) for an optimizer that cannot be made so.
-    """
-    total, known = 0, {}
-    for name in net._optimizers:
-        optimizer = getattr(net, name + '_', None)
-        # a wrapper such as Accelerate's AcceleratedOptimizer
-        while isinstance(getattr(optimizer, 'optimizer', None),
-                         torch.optim.Optimizer):
-            optimizer = optimizer.optimizer
-        if optimizer is None or len(optimizer.state):
-            continue
-        for index, group in enumerate(optimizer.param_groups):
-            settings = {key: value for key, value in group.items()
-                        if key != 'params'}
-            for param in group['params']:
-                key = (index, tuple(param.shape), param.dtype, param.device)
-                if key not in known:
-                    known[key] = _state_bytes(type(optimizer), settings, param)
-                total += known[key]
-    return total
-
-
-def _state_bytes(cls, settings, param):
-    standin = torch.zeros_like(param.detach()).requires_grad_()
-    standin.grad = torch.zeros_like(standin)
-    try:
-        probe = cls([dict(settings, params=[standin])])
-        probe.step()
-    except Exception:  # noqa: BLE001 (a class that needs more arguments)
-        return 2 * _nbytes(param)
-    return sum(_nbytes(value) for value in probe.state[standin].values()
-               if isinstance(value, torch.Tensor) and value.device == param.device)
 
 
 # The back-off
@@ -919,14 +475,48 @@ def is_out_of_memory(error):
             CPU_ALLOCATOR_ERROR, ONEDNN_ERROR, CPP_ALLOCATION_ERROR)))
 
 
-def backs_off(error):
-    """Whether ``micro_batch_size='auto'`` backs off after ``error``.
+# the counts of a zero-row pass that stands in for a failed one
+NO_ITEMS = types.SimpleNamespace(count=0.0, weight=0.0)
 
-    CUDA's, and the CPU's raised in a pass (``in_pass``, set by the net):
-    one raised while a micro-batch was loaded would lose it in the replay.
+
+def accumulate_within_budget(net, group, accumulate, **fit_params):
+    """Run ``accumulate(group)`` with ``micro_batch_size='auto'``.
+
+    Plans the pieces before the first step (:func:`plan_memory`). After an
+    allocation error in a pass, on any rank, gives up the partial gradient,
+    restores the buffers, halves the pieces and runs the group again: the
+    same update, without the error (random draws are drawn again).
     """
-    return (isinstance(error, _OUT_OF_MEMORY_ERRORS)
-            or getattr(error, 'in_pass', False))
+    buffers = snapshot_buffers(net)
+    if net.memory_plan_ is None:
+        plan_memory(net, group, buffers, **fit_params)
+    while True:
+        try:
+            return accumulate(group, **fit_params)
+        except Exception as error:
+            if not (isinstance(error, _OUT_OF_MEMORY_ERRORS)
+                    or getattr(error, 'in_pass', False)):
+                raise
+            size = getattr(error, 'micro_batch_size', None)
+        # outside the except block, so that the failed attempt's tensors,
+        # held by the traceback, are freed
+        net.get_engine().discard_gradient(functools.partial(
+            net._train_piece, counts=NO_ITEMS, is_last=True, **fit_params))
+        _back_off(net, group, buffers, size)
+
+
+def note_pass_error(net, error, group, is_last, **fit_params):
+    """Mark an allocation error in a pass, and tell the other ranks of it.
+
+    Only errors in a pass back off: one raised while a micro-batch was
+    loaded would lose it in the replay. The other ranks run this pass's
+    collectives with a zero-row pass and back off to the same size.
+    """
+    if is_out_of_memory(error):
+        error.in_pass = True
+        net.get_engine().after_error(functools.partial(
+            net._train_piece, counts=NO_ITEMS, is_last=is_last, **fit_params),
+            backed_off_size(group))
 
 
 def backed_off_size(group):
@@ -938,8 +528,8 @@ def backed_off_size(group):
     return (current + 1) // 2
 
 
-def back_off(net, group, buffers, size=None):
-    """Halve the pieces after an out-of-memory error and start again.
+def _back_off(net, group, buffers, size=None):
+    """Halve the pieces after an allocation error, for every later step too.
 
     With no gradient and the buffers of before the group. ``size``: the
     size all ranks agreed on, if another rank failed. A plan's cost per
@@ -951,7 +541,7 @@ def back_off(net, group, buffers, size=None):
         torch.cuda.empty_cache()
     net.micro_batch_size_ = size or backed_off_size(group)
     plan = getattr(net, 'memory_plan_', None)
-    if plan is not None and plan['max_cost'] is not None:
+    if plan is not None:
         plan['max_cost'] = math.ceil(net.micro_batch_size_ * getattr(
             group, 'cost_per_row', 1.0))
     # each back-off once, in the row of the batch that backed off

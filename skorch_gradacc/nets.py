@@ -11,7 +11,8 @@ from skorch import (
     NeuralNetRegressor,
 )
 
-from skorch_gradacc.mixin import GradAccMixin, grad_acc_params_doc
+from skorch_gradacc.mixin import GradAccMixin
+from skorch_gradacc.params import params_doc
 
 __all__ = [
     'GradAccNeuralNet',
@@ -93,5 +94,5 @@ class GradAccNeuralNetRegressor(GradAccMixin, NeuralNetRegressor):
 for _net in (GradAccNeuralNet, GradAccNeuralNetClassifier,
              GradAccNeuralNetBinaryClassifier, GradAccNeuralNetRegressor):
     _net.__doc__ = _net.__doc__.replace(
-        '\n    Examples\n', grad_acc_params_doc() + '\n    Examples\n', 1)
+        '\n    Examples\n', params_doc(GradAccMixin) + '\n    Examples\n', 1)
 del _net

@@ -87,7 +87,7 @@ def _generators(loader):
     return found
 
 
-def broadcast_rng_states(loader, device=None, group=None):
+def broadcast_rng_states(loader, device=None, process_group=None):
     """Give every rank rank 0's torch random state, for one shuffled order.
 
     Broadcasts the global CPU generator's state and those of the
@@ -103,13 +103,14 @@ def broadcast_rng_states(loader, device=None, group=None):
       Where the process group's collectives run (the gradients' device
       under NCCL); None for the CPU.
 
-    group : ProcessGroup or None
+    process_group : ProcessGroup or None
       The process group; None for the default one.
 
     """
     gens = _generators(loader)
     states = [[torch.get_rng_state()] + [gen.get_state() for gen in gens]]
-    dist.broadcast_object_list(states, src=0, group=group, device=device)
+    dist.broadcast_object_list(states, src=0, group=process_group,
+                               device=device)
     torch.set_rng_state(states[0][0])
     for gen, state in zip(gens, states[0][1:]):
         gen.set_state(state)
@@ -222,7 +223,7 @@ class ShardedMicroBatchGroups:
       Where the process group's collectives run; used to agree on the
       random state at the start of each epoch.
 
-    group : ProcessGroup or None
+    process_group : ProcessGroup or None
       The process group; None for the default one.
 
     Examples
@@ -246,7 +247,8 @@ class ShardedMicroBatchGroups:
     """
 
     def __init__(self, micro_batches, acc_steps, rank, world_size,
-                 keep=False, keep_targets=False, device=None, group=None,
+                 keep=False, keep_targets=False, device=None,
+                 process_group=None,
                  sync_rng=True):
         self.micro_batches = micro_batches
         self.acc_steps = acc_steps
@@ -255,7 +257,7 @@ class ShardedMicroBatchGroups:
         self.keep = keep
         self.keep_targets = keep_targets
         self.device = device
-        self.group = group
+        self.process_group = process_group
         self.sync_rng = sync_rng
 
     def __len__(self):
@@ -304,7 +306,8 @@ class ShardedMicroBatchGroups:
 
     def __iter__(self):
         if self.sync_rng:
-            broadcast_rng_states(self.micro_batches, self.device, self.group)
+            broadcast_rng_states(self.micro_batches, self.device,
+                                 self.process_group)
         stream, load, template = self._streams()
         per_step = self.acc_steps * self.world_size
         pending = next(stream, END)  # whether another step starts

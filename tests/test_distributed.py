@@ -8,6 +8,7 @@ process with ``batch_size * acc_steps * world_size`` (the unions of
 """
 
 import importlib.util
+import re
 import warnings
 from pathlib import Path
 
@@ -18,7 +19,6 @@ import torch.distributed as dist
 from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, LoadInitState
 from skorch.dataset import Dataset
-from test_micro_batch_size import CappedConv2d
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -36,14 +36,8 @@ from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
-from skorch_gradacc.memory import PLAN_REPEATS
 
-from conftest import (
-    PARAM_ATOL,
-    ConvMLPClassifier,
-    MLPClassifier,
-    classification_data,
-)
+from conftest import PARAM_ATOL, MLPClassifier, classification_data
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
 LATE_RELEASE = Path(__file__).parent / 'torchrun_scripts' / 'late_release.py'
@@ -53,7 +47,7 @@ STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
-SCENARIOS = ['samples', 'auto', 'plan', 'plan_conv', 'plan_code', 'shuffle',
+SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'tokens', 'bucket', 'iterable']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
@@ -117,80 +111,141 @@ def test_rows_that_fill_no_whole_step_leave_a_rank_empty(ddp):
     assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 195  # each row once
     for key, value in ranks[0]['params'].items():
         assert torch.equal(value, ranks[1]['params'][key])  # identical ranks
+    for rank in ranks:  # no runtime state reaches get_params, and clone()
+        before, after = rank['params_keys']
+        assert before == after
     assert_same_as_single_process(ranks, classifier(195))
+
+
+def backoff_rows(rank):
+    """(epoch, batch, sizes) of each batch row that recorded a back-off."""
+    return [(epoch, batch, sizes)
+            for epoch, rows in enumerate(rank['backoffs'])
+            for batch, sizes in enumerate(rows) if sizes]
+
+
+def assert_backed_off_alike(ranks, max_rows):
+    """The ranks planned whole micro-batches of 8 rows, then backed off in
+    one batch's row, the same on every rank: first to half (rounded up) the
+    least piece that failed on any rank, then each size half the one
+    before, to the same size, which every rank's module takes. Returns the
+    sizes backed off to."""
+    rows = [backoff_rows(rank) for rank in ranks]
+    assert rows[0] == rows[1]
+    assert len(rows[0]) == 1, rows[0]  # one batch's row, and no other
+    sizes = rows[0][0][2]
+    for rank in ranks:
+        # budget None: the plan takes whole micro-batches, which fail
+        # later (the plan was wrong)
+        assert rank['memory_plan_']['micro_batch_size'] == BATCH_SIZE
+        assert rank['epoch_micro_batch_size'][-1] == rank['micro_batch_size_']
+    # the pieces that failed first, on the ranks that failed
+    failed = [rank['failed_rows'][0] for rank in ranks if rank['failed_rows']]
+    tried = [min(failed)] + sizes
+    assert all(size == (before + 1) // 2
+               for before, size in zip(tried, tried[1:])), tried
+    assert [rank['micro_batch_size_'] for rank in ranks] == [sizes[-1]] * 2
+    assert sizes[-1] <= min(max_rows)
+    return sizes
 
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
     # micro_batch_size='auto' where only rank 1 runs out of memory above 4
-    # rows: it backs off and replays, and the update is unchanged
+    # rows, armed after the plan: every rank backs off with it, replays,
+    # and the update is unchanged
     ranks = ddp.ranks('auto')
-    assert_same_as_single_process(ranks, classifier(195), failed_attempts=1)
-    # every rank backs off with rank 1 and records it alike: rank 0 learns
-    # of it at the end of its first attempt (its 3 micro-batches of 8),
-    # after the plan's passes of 1 and 2 rows and its try of 8 rows, which
-    # rank 1 lets through (the plan was wrong)
-    plan = 2 + 2 * PLAN_REPEATS
-    for rank in ranks:
-        assert rank['piece_rows'][:plan] == [1] + [1, 2] * PLAN_REPEATS + [8]
-    assert ranks[0]['piece_rows'][plan:plan + 4] == [8, 8, 8, 4]
-    assert ranks[1]['piece_rows'][plan:plan + 2] == [8, 4]
-    for rank in ranks:
-        assert rank['micro_batch_size_'] == 4
-        assert max(rank['piece_rows'][rank['piece_rows'].index(4):]) == 4
-        assert rank['backoffs'] == [[[4]] + [None] * 4, [None] * 5]
-        assert rank['epoch_micro_batch_size'] == [4, 4]
+    sizes = assert_backed_off_alike(ranks, max_rows=(1000, 4))
+    assert ranks[0]['failed_rows'] == []
+    assert ranks[1]['failed_rows'] and all(
+        rows > 4 for rows in ranks[1]['failed_rows'])
+    # each failed attempt all-reduced once more, its gradient given up
+    assert_same_as_single_process(ranks, classifier(195),
+                                  failed_attempts=len(sizes))
 
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
-def test_every_rank_takes_the_smallest_memory_plan(ddp):
-    # only rank 1 has a budget (of 1 byte): rank 0 takes its plan of pieces
-    # of 1 row too, and records it
+def test_ranks_that_fail_apart_back_off_to_the_least_size(ddp):
+    # after the plan, rank 0's module fails above 6 rows and rank 1's above
+    # 3; both fail in the second step, on micro-batches of 8 and 5 rows,
+    # wanting pieces of 4 and 3: every rank takes the least, 3, which both
+    # take (the largest, 4, fails again on rank 1 in the next epoch)
+    ranks = ddp.ranks('apart')
+    sizes = assert_backed_off_alike(ranks, max_rows=(6, 3))
+    assert [rank['failed_rows'] for rank in ranks] == [[8], [5]]
+    assert sizes == [min((rows + 1) // 2 for rank in ranks
+                         for rows in rank['failed_rows'])]
+    assert_same_as_single_process(ranks, classifier(61),
+                                  failed_attempts=len(sizes))
+
+
+PLAN_REFUSED = (
+    r"^micro_batch_size='auto': memory_budget=1 is 0\.0 MiB, less than pieces "
+    r"of one row need: at least [0-9.]+ MiB \(predicted, with the plan's "
+    r"margin\); give a larger budget, or use a smaller model or less data per "
+    r"row\.$")
+PLAN_REFUSED_ELSEWHERE = (
+    r"^micro_batch_size='auto': another rank's budget is less than pieces of "
+    r"one row need: at least [0-9.]+ MiB \(predicted, with the plan's "
+    r"margin\); give a larger budget, or use a smaller model or less data "
+    r"per row\.$")
+
+
+def assert_plan_refused(ranks):
+    """Rank 1's budget of 1 byte is refused on every rank, before any
+    step."""
+    assert re.match(PLAN_REFUSED, ranks[1]['message']), ranks[1]['message']
+    assert re.match(PLAN_REFUSED_ELSEWHERE, ranks[0]['message']), (
+        ranks[0]['message'])
+    for rank in ranks:
+        assert rank['params_unchanged']
+        assert rank['optimizer_state'] == 0  # no step
+        assert rank['trained_batches'] == 0
+        assert rank['memory_plan_'] is None
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(ddp):
+    # only rank 1 has a budget, of 1 byte: every rank raises the ValueError
+    # before the first step, rank 0 with its own budget in the message
     ranks = ddp.ranks('plan')
+    assert_plan_refused(ranks)
     for rank in ranks:
-        assert rank['memory_plan_']['max_cost'] == 0
-        assert rank['memory_plan_']['micro_batch_size'] == 1
-        assert rank['micro_batch_size_'] == 1
-    assert [rank['memory_plan_']['budget'] for rank in ranks][1] == 1
+        assert rank['allreduces'] == 0
+
+
+def assert_plan_failed_alike(ranks, max_rows):
+    """Each rank ran the same passes in the plan; those that failed on rank
+    1 (above ``max_rows``), and only those, failed on every rank."""
+    passes = [rank['memory_plan_']['passes'] for rank in ranks]
+    assert [[rows for rows, _ in each] for each in passes] == [
+        [rows for rows, _ in passes[0]]] * 2
+    for each in passes:
+        assert [peak is None for _, peak in each] == [
+            rows > max_rows for rows, _ in each]
+    failed = [rows for rows, peak in passes[1] if peak is None]
+    assert failed  # the plan tried more rows than rank 1 takes
+    assert ranks[1]['failed_rows'] == failed  # all of them in the plan
+    assert ranks[0]['failed_rows'] == []
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(ddp):
+    # only rank 1's module fails above 4 rows, from the start: a pass of the
+    # plan that fails there is too large on every rank; the plan is the
+    # same on both, at most 4 rows, and training needs no back-off
+    ranks = ddp.ranks('plan_fails')
+    plans = [rank['memory_plan_']['micro_batch_size'] for rank in ranks]
+    assert plans[0] == plans[1] <= 4
+    assert_plan_failed_alike(ranks, max_rows=4)
+    for rank in ranks:
+        assert rank['micro_batch_size_'] == plans[0]
+        assert backoff_rows(rank) == []
     assert_same_as_single_process(ranks, classifier(195))
-
-
-@pytest.mark.slow  # torchrun
-@pytest.mark.timeout(LAUNCH_LIMIT + 60)
-def test_every_rank_tries_the_last_piece_of_a_convolution(ddp):
-    # only rank 1's module fails above 3 rows: the tries of 8 and 4 rows
-    # fail on every rank; 3 rows pass on both, with the last piece of the
-    # micro-batch of 8, 2 rows (a new convolution shape); no back-off
-    ranks = ddp.ranks('plan_conv')
-    passes = [1] + [1, 2] * PLAN_REPEATS
-    for rank in ranks:
-        assert rank['piece_rows'][:len(passes) + 4] == passes + [8, 4, 3, 2]
-        assert rank['micro_batch_size_'] == 3
-        assert rank['backoffs'] == [[None] * 5, [None] * 5]
-    assert_same_as_single_process(ranks, classifier(195, ConvMLPClassifier))
-
-
-@pytest.mark.slow  # torchrun
-@pytest.mark.timeout(LAUNCH_LIMIT + 60)
-def test_every_rank_charges_the_code_one_rank_compiles_under_a_cap(ddp):
-    # as above with a float32 convolution, and rank 1 alone under RLIMIT_AS:
-    # its code per shape is every rank's, so both halve after a failed try
-    # (8, 4, then 2), where they would step to 3 by quarters, then grow to
-    # 3 rows with the last piece of 2, below the 4 that failed
-    ranks = ddp.ranks('plan_code')
-    passes = [1] + [1, 2] * PLAN_REPEATS
-    for rank in ranks:
-        assert rank['piece_rows'][:len(passes) + 5] == passes + [8, 4, 2, 3, 2]
-        assert rank['memory_plan_']['code_per_shape'] > 0
-        assert rank['micro_batch_size_'] == 3
-        assert rank['backoffs'] == [[None] * 5, [None] * 5]
-    net = classifier(195, CappedConv2d, module__channels=7)
-    for rank in ranks:  # float32 inside
-        assert_params_equal(rank['params'], net, atol=1e-5)
-        np.testing.assert_allclose(rank['train_loss'],
-                                   net.history[:, 'train_loss'], rtol=1e-5)
 
 
 @pytest.mark.slow  # torchrun

@@ -6,6 +6,7 @@ checkpoint with ``save_params``, and the tests compare it with plain skorch in
 one process with ``batch_size * acc_steps * world_size``.
 """
 
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -26,8 +27,7 @@ from skorch_gradacc import (
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
 )
-from skorch_gradacc.fully_sharded import units_of
-from skorch_gradacc.memory import PLAN_REPEATS
+from skorch_gradacc.fully_sharded import modules_to_shard
 
 from conftest import DTYPE, PARAM_ATOL, classification_data
 
@@ -40,13 +40,13 @@ from fsdp_worker import (  # noqa: E402
     CLIP_NORM,
     FP16_ACC_STEPS,
     FP16_LR,
+    MAX_ROWS,
+    N_APART_SAMPLES,
     N_SAMPLES,
     N_TOKEN_SAMPLES,
     FP16TokenModel,
     MaskedMeanLoss,
     SpikyClassifier,
-    code_classifier,
-    conv_classifier,
     fp16_token_data,
     masked_data,
     sequential_classifier,
@@ -58,8 +58,8 @@ WORLD_SIZE = 2
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
-             'resume', 'micro', 'auto', 'plan', 'plan_fails', 'plan_conv',
-             'plan_code', 'iterable',
+             'resume', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
+             'iterable',
              'skip', 'masked',
              'sampler', 'fp16_tokens', 'fp16_spike']
 LAUNCH_LIMIT = 480
@@ -140,6 +140,9 @@ def test_samples_match_single_process(fsdp, oracle, scenario, reduce_scatters):
     for rank in ranks:
         assert rank['reduce_scatters'] == 3 * reduce_scatters
         assert rank['reduce_dtypes'] == {DTYPE}
+        # no runtime state reaches get_params, and so clone()
+        before, after = rank['params_keys']
+        assert before == after
     net = oracle
     assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)  # the mean over all ranks, on each
@@ -256,56 +259,16 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(fsdp, oracle):
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
-@pytest.mark.parametrize('scenario', ['micro', 'auto', 'plan', 'plan_fails',
-                                      'iterable'])
+@pytest.mark.parametrize('scenario', ['micro', 'iterable'])
 def test_options_match_single_process(fsdp, oracle, scenario):
     # micro_batch_size=3: 3 passes for a micro-batch of 8 rows, 1 for the
-    # last of 3 and for a zero-row one; 'auto' where only rank 1 runs out
-    # of memory above 4 rows after the plan: both ranks back off and
-    # replay; 'plan' and 'plan_fails': planned pieces; an iterator of
-    # micro-batches without a length
+    # last of 3 and for a zero-row one; an iterator of micro-batches
+    # without a length
     ranks = fsdp.ranks(scenario)
     out = fsdp.folder(scenario)
     net = oracle
     assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
-    if scenario == 'auto':
-        for rank in ranks:
-            assert rank['micro_batch_size_'] == 4
-            assert rank['backoffs'] == [[4]] + [None] * 9
-            # the plan's passes of 1 and 2 rows and its try of 8, which
-            # rank 1 lets through (the plan was wrong), then the back-off
-            plan = 2 + 2 * PLAN_REPEATS
-            assert rank['forward_rows'][:plan] == [1] + [1, 2] * PLAN_REPEATS + [8]
-            assert rank['memory_plan_']['micro_batch_size'] == 8
-        # rank 1 fails at 8 rows and joins rank 0's pass with zero rows; at
-        # the next pass both learn of it, and the zero-row pass that gives
-        # up the attempt's gradient reduce-scatters it
-        assert ranks[0]['forward_rows'][plan:plan + 4] == [8, 0, 4, 4]
-        assert ranks[1]['forward_rows'][plan:plan + 5] == [8, 0, 0, 4, 4]
-    if scenario == 'plan':
-        # only rank 1 has a budget (of 1 byte): rank 0 takes its plan of
-        # pieces of 1 row too, and records it; no back-off
-        for rank in ranks:
-            assert rank['memory_plan_']['max_cost'] == 0
-            assert rank['memory_plan_']['micro_batch_size'] == 1
-            assert rank['micro_batch_size_'] == 1
-            assert rank['backoffs'] == [None] * 10
-        assert [rank['memory_plan_']['budget'] for rank in ranks][1] == 1
-    if scenario == 'plan_fails':
-        # rank 1's try of 8 rows fails: a zero-row pass joins rank 0's, and
-        # every rank tries 4 (two even pieces, as 6 would take), which
-        # passes; nothing below 8 takes fewer: no more tries, and no
-        # back-off in training
-        passes = [1] + [1, 2] * PLAN_REPEATS
-        assert ranks[0]['forward_rows'][:len(passes) + 4] == (
-            passes + [8, 4, 4, 4])
-        assert ranks[1]['forward_rows'][:len(passes) + 4] == (
-            passes + [8, 0, 4, 4])
-        for rank in ranks:
-            assert rank['memory_plan_']['micro_batch_size'] == 4
-            assert rank['micro_batch_size_'] == 4
-            assert rank['backoffs'] == [None] * 10
     if scenario == 'micro':
         # what get_loss recorded per piece is merged as the loss is: the
         # mean over the rank's pieces, weighted by their rows
@@ -320,52 +283,127 @@ def test_options_match_single_process(fsdp, oracle, scenario):
             np.testing.assert_allclose(merged, expected, rtol=1e-12)
 
 
+def backoff_rows(rank):
+    """(step, sizes) of each batch row that recorded a back-off."""
+    return [(step, sizes) for step, sizes in enumerate(rank['backoffs'])
+            if sizes]
+
+
+def assert_backed_off_alike(ranks, max_rows):
+    """The ranks planned whole micro-batches of 8 rows, then backed off in
+    one batch's row, the same on every rank: first to half (rounded up) the
+    least piece that failed on any rank, then each size half the one
+    before, to the same size, which every rank's module takes. Returns the
+    sizes backed off to."""
+    rows = [backoff_rows(rank) for rank in ranks]
+    assert rows[0] == rows[1]
+    assert len(rows[0]) == 1, rows[0]  # one batch's row, and no other
+    sizes = rows[0][0][1]
+    for rank in ranks:
+        # budget None: the plan takes whole micro-batches, which fail
+        # later (the plan was wrong)
+        assert rank['memory_plan_']['micro_batch_size'] == BATCH_SIZE
+    # the pieces that failed first, on the ranks that failed
+    failed = [rank['failed_rows'][0] for rank in ranks if rank['failed_rows']]
+    tried = [min(failed)] + sizes
+    assert all(size == (before + 1) // 2
+               for before, size in zip(tried, tried[1:])), tried
+    assert [rank['micro_batch_size_'] for rank in ranks] == [sizes[-1]] * 2
+    assert sizes[-1] <= min(max_rows)
+    return sizes
+
+
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
-def test_every_rank_tries_the_last_piece_of_a_convolution(fsdp):
-    # only rank 1's module fails above 3 rows: the tries of 8 and 4 rows
-    # fail there (zero-row passes join rank 0's); 3 rows pass on both, with
-    # the last piece of the micro-batch of 8, 2 rows (a new convolution
-    # shape); no back-off
-    ranks = fsdp.ranks('plan_conv')
-    passes = [1] + [1, 2] * PLAN_REPEATS
-    assert ranks[0]['forward_rows'][:len(passes) + 5] == (
-        passes + [8, 4, 3, 2, 3])
-    assert ranks[1]['forward_rows'][:len(passes) + 7] == (
-        passes + [8, 0, 4, 0, 3, 2, 3])
-    for rank in ranks:
-        assert rank['micro_batch_size_'] == 3
-        assert rank['backoffs'] == [None] * 10
-    X, y = classification_data(N_SAMPLES)
-    net = single_process(NeuralNetClassifier, X, y, module=conv_classifier,
-                         lr=0.1)
-    assert_params_equal(torch.load(fsdp.folder('plan_conv') / 'params.pt'),
-                        net)
+def test_out_of_memory_on_one_rank_backs_off_and_replays(fsdp, oracle):
+    # micro_batch_size='auto' where only rank 1 runs out of memory above 4
+    # rows, armed after the plan: it joins rank 0's pass with a zero-row
+    # one, every rank backs off with it, replays, and the update is
+    # unchanged
+    ranks = fsdp.ranks('auto')
+    assert_backed_off_alike(ranks, MAX_ROWS['auto'])
+    assert ranks[0]['failed_rows'] == []
+    assert ranks[1]['failed_rows'] and all(
+        rows > 4 for rows in ranks[1]['failed_rows'])
+    assert_params_equal(torch.load(fsdp.folder('auto') / 'params.pt'), oracle)
+    assert_losses_equal(ranks, oracle)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_ranks_that_fail_apart_back_off_to_the_least_size(fsdp):
+    # after the plan, rank 0's module fails above 6 rows and rank 1's above
+    # 3; both fail in the second step, on micro-batches of 8 and 5 rows,
+    # wanting pieces of 4 and 3: every rank takes the least, 3, which both
+    # take (the largest, 4, fails again on rank 1 in the next epoch)
+    ranks = fsdp.ranks('apart')
+    sizes = assert_backed_off_alike(ranks, MAX_ROWS['apart'])
+    assert [rank['failed_rows'] for rank in ranks] == [[8], [5]]
+    assert sizes == [min((rows + 1) // 2 for rank in ranks
+                         for rows in rank['failed_rows'])]
+    net = single_process(NeuralNetClassifier,
+                         *classification_data(N_APART_SAMPLES),
+                         module=sequential_classifier, lr=0.1)
+    assert_params_equal(torch.load(fsdp.folder('apart') / 'params.pt'), net)
     assert_losses_equal(ranks, net)
 
 
+PLAN_REFUSED = (
+    r"^micro_batch_size='auto': memory_budget=1 is 0\.0 MiB, less than pieces "
+    r"of one row need: at least [0-9.]+ MiB \(predicted, with the plan's "
+    r"margin\); give a larger budget, or use a smaller model or less data per "
+    r"row\.$")
+PLAN_REFUSED_ELSEWHERE = (
+    r"^micro_batch_size='auto': another rank's budget is less than pieces of "
+    r"one row need: at least [0-9.]+ MiB \(predicted, with the plan's "
+    r"margin\); give a larger budget, or use a smaller model or less data "
+    r"per row\.$")
+
+
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
-def test_every_rank_charges_the_code_one_rank_compiles_under_a_cap(fsdp):
-    # as above with a float32 convolution, and rank 1 alone under RLIMIT_AS:
-    # its code per shape is every rank's, so both halve after a failed try
-    # (8, 4, then 2), where they would step to 3 by quarters, then grow to
-    # 3 rows with the last piece of 2, below the 4 that failed
-    ranks = fsdp.ranks('plan_code')
-    passes = [1] + [1, 2] * PLAN_REPEATS
-    assert ranks[0]['forward_rows'][:len(passes) + 6] == (
-        passes + [8, 4, 2, 3, 2, 3])
-    assert ranks[1]['forward_rows'][:len(passes) + 8] == (
-        passes + [8, 0, 4, 0, 2, 3, 2, 3])
+def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(fsdp):
+    # only rank 1 has a budget, of 1 byte: every rank raises the ValueError
+    # before the first step, rank 0 with its own budget in the message;
+    # no parameter changed, no step, no reduce-scatter
+    ranks = fsdp.ranks('plan')
+    assert re.match(PLAN_REFUSED, ranks[1]['message']), ranks[1]['message']
+    assert re.match(PLAN_REFUSED_ELSEWHERE, ranks[0]['message']), (
+        ranks[0]['message'])
     for rank in ranks:
-        assert rank['memory_plan_']['code_per_shape'] > 0
-        assert rank['micro_batch_size_'] == 3
+        assert rank['params_unchanged']
+        assert rank['optimizer_state'] == 0
+        assert rank['trained_batches'] == 0
+        assert rank['memory_plan_'] is None
+        assert rank['reduce_scatters'] == 0
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(fsdp, oracle):
+    # only rank 1's module fails above 4 rows, from the start: a pass of the
+    # plan that fails there (a zero-row pass joins rank 0's) is too large
+    # on every rank; the plan is the same on both, at most 4 rows, and
+    # training needs no back-off
+    ranks = fsdp.ranks('plan_fails')
+    passes = [rank['memory_plan_']['passes'] for rank in ranks]
+    assert [[rows for rows, _ in each] for each in passes] == [
+        [rows for rows, _ in passes[0]]] * 2  # the same passes
+    for each in passes:  # too large on every rank: those that failed
+        assert [peak is None for _, peak in each] == [
+            rows > 4 for rows, _ in each]
+    failed = [rows for rows, peak in passes[1] if peak is None]
+    assert failed  # the plan tried more rows than rank 1 takes
+    assert ranks[1]['failed_rows'] == failed  # all of them in the plan
+    assert ranks[0]['failed_rows'] == []
+    plans = [rank['memory_plan_']['micro_batch_size'] for rank in ranks]
+    assert plans[0] == plans[1] <= 4
+    for rank in ranks:
+        assert rank['micro_batch_size_'] == plans[0]
         assert rank['backoffs'] == [None] * 10
-    X, y = classification_data(N_SAMPLES)
-    net = single_process(NeuralNetClassifier, X, y, module=code_classifier,
-                         lr=0.1)
-    assert_params_equal(torch.load(fsdp.folder('plan_code') / 'params.pt'),
-                        net, atol=1e-5)  # float32 inside
+    assert_params_equal(torch.load(fsdp.folder('plan_fails') / 'params.pt'),
+                        oracle)
+    assert_losses_equal(ranks, oracle)
 
 
 @pytest.mark.slow  # torchrun
@@ -497,7 +535,7 @@ class TestUnits:
 
     def test_plain_sequential_shards_each_layer_with_parameters(self):
         module = sequential_classifier()
-        assert units_of(module) == [module[0], module[2], module[4]]
+        assert modules_to_shard(module) == [module[0], module[2], module[4]]
 
     def test_transformer_shards_its_layers(self):
         class Model(torch.nn.Module):
@@ -509,7 +547,7 @@ class TestUnits:
                 self.head = torch.nn.Linear(8, 10)
 
         model = Model()
-        assert units_of(model) == list(model.encoder.layers)
+        assert modules_to_shard(model) == list(model.encoder.layers)
 
     def test_hugging_face_blocks_from_no_split_modules(self):
         class Block(torch.nn.Module):
@@ -527,15 +565,15 @@ class TestUnits:
                 self.head = torch.nn.Sequential(torch.nn.Linear(4, 2))
 
         model = Model()
-        assert units_of(model) == list(model.layers)
+        assert modules_to_shard(model) == list(model.layers)
 
     def test_named_classes_are_sharded_outermost_first(self):
         module = torch.nn.Sequential(
             torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
             torch.nn.Linear(2, 2))
-        assert units_of(module, ['Linear']) == [
+        assert modules_to_shard(module, ['Linear']) == [
             module[0][0], module[0][1], module[1]]
-        assert units_of(module, [torch.nn.Sequential]) == [module[0]]
+        assert modules_to_shard(module, [torch.nn.Sequential]) == [module[0]]
 
 
 class TestValidation:

@@ -1,22 +1,18 @@
 """``micro_batch_size``: the loader yields the full batch, the net splits it;
-``'auto'`` backs off on out-of-memory errors and keeps the effective batch."""
-
-import resource
+``'auto'`` plans below what fails and backs off on out-of-memory errors,
+keeping the effective batch."""
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from skorch import NeuralNetClassifier
-from skorch.callbacks import ProgressBar
+from skorch.callbacks import Callback, ProgressBar
 
 from skorch_gradacc import GradAccNeuralNetClassifier
-from skorch_gradacc.memory import PLAN_REPEATS, _proc_bytes
 
 from conftest import (
     PARAM_ATOL,
-    Conv2dFront,
-    ConvMLPClassifier,
     MLPClassifier,
     assert_same_history,
     fit_seeded,
@@ -24,45 +20,38 @@ from conftest import (
     max_param_diff,
 )
 
-# the plan's passes: a warm-up, PLAN_REPEATS at each of two sizes, the loss
-# check's three (on the larger size and its halves), its try
-PLAN_PASSES = 2 + 2 * PLAN_REPEATS + 3
-# their rows in batches of 32: the passes on 2 and 4, the check's on 4 and 2
-BEFORE_TRIES = [2] + [2, 4] * PLAN_REPEATS + [4, 2, 2]
-
 
 class CappedMLP(MLPClassifier):
     """Raises torch.cuda.OutOfMemoryError (torch 2.3 has no
-    torch.OutOfMemoryError) above ``max_rows`` rows, like a GPU
-    that cannot hold more, after its first ``fails_from`` passes; records
-    the rows it saw."""
+    torch.OutOfMemoryError) above ``max_rows`` rows, like a GPU that cannot
+    hold more, once ``armed`` (from the start unless ``armed=False``);
+    records the rows it saw."""
 
-    def __init__(self, max_rows=1000, fails_from=0):
+    def __init__(self, max_rows=1000, armed=True):
         super().__init__()
-        self.max_rows, self.fails_from = max_rows, fails_from
+        self.max_rows, self.armed = max_rows, armed
         self.rows_ = []
 
     def forward(self, X):
         self.rows_.append(len(X))
-        if len(X) > self.max_rows and len(self.rows_) > self.fails_from:
+        if len(X) > self.max_rows and self.armed:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
 
-class CappedConvMLP(CappedMLP, ConvMLPClassifier):
-    """CappedMLP after a convolution: the plan tries its last pieces too."""
+class ArmAfterThePlan(Callback):
+    """Arms the module's error after the first step: the plan was wrong."""
+
+    train_batch_reads = ()
+
+    def on_grad_computed(self, net, **kwargs):
+        net.module_.armed = True
 
 
-class CappedConv2d(CappedMLP):
-    """CappedMLP after a Conv2dFront of ``channels`` channels, 5 or more:
-    shapes no other test runs."""
-
-    def __init__(self, max_rows=1000, fails_from=0, channels=5):
-        super().__init__(max_rows, fails_from)
-        self.front = Conv2dFront(channels)
-
-    def forward(self, X):
-        return super().forward(self.front(X))
+def backoffs(net):
+    """The back-offs recorded, in the rows of the batches that backed off."""
+    return [row['micro_batch_size_backoff'] for epoch in net.history
+            for row in epoch['batches'] if 'micro_batch_size_backoff' in row]
 
 
 def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,
@@ -131,128 +120,44 @@ class TestFixedMicroBatchSize:
 
 class TestAutoMicroBatchSize:
     def test_backs_off_and_keeps_the_effective_batch(self, clf_data):
-        # the device holds 10 rows once the plan's passes are done: the plan
-        # was wrong
-        acc_net, plain_net = micro_nets('auto', module__max_rows=10,
-                                        module__fails_from=PLAN_PASSES,
-                                        optimizer=torch.optim.Adam, lr=0.01)
+        # whole micro-batches fit at the plan; then 10 rows do: the step
+        # halves its pieces once, and keeps them for the rest of training
+        acc_net, plain_net = micro_nets(
+            'auto', module__max_rows=10, module__armed=False,
+            optimizer=torch.optim.Adam, lr=0.01,
+            callbacks=[('arm', ArmAfterThePlan())])
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
         assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
-        # the plan's passes on 2 and 4 rows, the loss check's (4 rows and
-        # its halves) and the try of 32 (the tiny model fits 32 rows, says
-        # the plan); then the first step's 32 rows fail, 16 fail, 8 fit;
-        # remembered for the rest of training
+        assert acc_net.memory_plan_['micro_batch_size'] == 32
+        assert backoffs(acc_net) == [[16, 8]]  # in one batch's row only
         assert acc_net.micro_batch_size_ == 8
-        assert acc_net.module_.rows_[:PLAN_PASSES + 3] == BEFORE_TRIES + [
-            32, 32, 16, 8]
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
-        backoffs = acc_net.history[:, 'batches', :, 'micro_batch_size_backoff']
-        # in the first batch's row only (skorch leaves out epochs without it)
-        assert backoffs == [[[16, 8]]]
-        assert 'micro_batch_size_backoff' not in acc_net.history[0, 'batches', 1]
 
-    def test_plan_steps_down_where_its_try_fails(self, clf_data):
-        # the try of the planned 32 rows fails, and of three quarters of it
-        # in even pieces while it fails: 16 and 11 fail, 8 fit; no back-off
+    def test_the_plan_stays_below_what_fails(self, clf_data):
+        # 10 rows fit from the start: the plan's passes find it, and no
+        # step backs off
         acc_net, plain_net = micro_nets('auto', module__max_rows=10)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:PLAN_PASSES + 3] == BEFORE_TRIES + [
-            32, 16, 11, 8]
-        # the line through the try (no budget: no limit) lets up to 10 rows
-        # through, as many pieces of the 32 as 8: no more tries, training
-        assert acc_net.memory_plan_['passes'] == 1 + 2 * PLAN_REPEATS + 4
-        assert acc_net.module_.rows_[PLAN_PASSES + 3] == 8
-        assert acc_net.memory_plan_['micro_batch_size'] == 8
-        assert acc_net.memory_plan_['max_cost'] == 8 * 10  # 10 features
-        assert acc_net.micro_batch_size_ == 8
-        assert not any('micro_batch_size_backoff' in row for epoch in
-                       acc_net.history for row in epoch['batches'])
+        plan = acc_net.memory_plan_
+        assert 1 < plan['micro_batch_size'] <= 10
+        assert None in [peak for _, peak in plan['passes']]  # one failed
+        assert plan['max_cost'] == 10 * plan['micro_batch_size']  # features
+        assert backoffs(acc_net) == []
+        assert max(acc_net.module_.rows_[len(plan['passes']):]) <= 10
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
-
-    def test_plan_steps_down_to_a_size_its_passes_ran(self, clf_data):
-        # batches of 33: passes on 2 and 4 rows; the tries step down by
-        # quarters in even pieces from 33 to 5, and then to 4 rows, not 3:
-        # its shape ran; the try runs the last piece too, of 1 row
-        acc_net, plain_net = micro_nets('auto', batch_size=33,
-                                        module=CappedConvMLP,
-                                        module__max_rows=4)
-        plain_net.set_params(module__max_rows=1000)
-        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:PLAN_PASSES + 6] == BEFORE_TRIES + [
-            33, 17, 11, 7, 5, 4, 1]
-        assert acc_net.memory_plan_['micro_batch_size'] == 4
-        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
-
-    def test_plan_grows_where_it_saves_a_pass(self, clf_data):
-        # 32, 16, 11 and 8 rows fail, 6 fit (and the last piece, 2 rows);
-        # 7 rows below the 8 that failed take 5 pieces, not 6: tried with
-        # its last piece, fits, and training follows at 7, though the
-        # budget would let through more
-        acc_net, _ = micro_nets('auto', module=CappedConvMLP,
-                                module__max_rows=7, memory_budget='1GiB')
-        fit_seeded(acc_net, *clf_data)
-        assert acc_net.module_.rows_[:PLAN_PASSES + 7] == BEFORE_TRIES + [
-            32, 16, 11, 8, 6, 2, 7, 4]
-        assert max(acc_net.module_.rows_[PLAN_PASSES + 7:]) == 7
-        assert acc_net.memory_plan_['micro_batch_size'] == 7
-        assert acc_net.memory_plan_['max_cost'] == 7 * 10  # 10 features
-        assert not any('micro_batch_size_backoff' in row for epoch in
-                       acc_net.history for row in epoch['batches'])
-
-    def test_plan_tries_no_last_piece_of_matrix_products(self, clf_data):
-        # as above, without the convolution: a smaller piece takes no more
-        acc_net, plain_net = micro_nets('auto', module__max_rows=7)
-        acc_net.set_params(memory_budget='1GiB')
-        plain_net.set_params(module__max_rows=1000)
-        fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.module_.rows_[:PLAN_PASSES + 5] == BEFORE_TRIES + [
-            32, 16, 11, 8, 6, 7]
-        assert acc_net.memory_plan_['micro_batch_size'] == 7
-        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
-
-    @pytest.mark.parametrize('cap', [False, True])
-    def test_tries_halve_where_new_shapes_map_code_under_a_cap(
-            self, clf_data, cap):
-        # batches of 33 on a module that fails above 4 rows, as the test of
-        # the step-down above: under RLIMIT_AS, each new shape's code
-        # counts, so a failed try halves (fewer new shapes): 33, 11, 5, then
-        # 4, whose shape ran, where it steps down by quarters without a cap
-        acc_net, plain_net = micro_nets('auto', batch_size=33,
-                                        module=CappedConv2d,
-                                        module__max_rows=4,
-                                        module__channels=5 + cap)
-        acc_net.set_params(memory_budget='1GiB')
-        plain_net.set_params(module__max_rows=1000)
-        limit = resource.getrlimit(resource.RLIMIT_AS)
-        if cap:  # far above what the fit takes
-            resource.setrlimit(resource.RLIMIT_AS, (
-                _proc_bytes('/proc/self/status', 'VmSize') + 2 ** 36, limit[1]))
-        try:
-            fit_seeded(acc_net, *clf_data)
-        finally:
-            resource.setrlimit(resource.RLIMIT_AS, limit)
-        fit_seeded(plain_net, *clf_data)
-        tries = [33, 11, 5, 4, 1] if cap else [33, 17, 11, 7, 5, 4, 1]
-        assert acc_net.module_.rows_[:len(BEFORE_TRIES + tries)] == (
-            BEFORE_TRIES + tries)
-        assert (acc_net.memory_plan_['code_per_shape'] > 0) == cap
-        assert acc_net.memory_plan_['micro_batch_size'] == 4
-        assert not any('micro_batch_size_backoff' in row for epoch in
-                       acc_net.history for row in epoch['batches'])
-        assert max_param_diff(acc_net, plain_net) < 1e-5  # float32 inside
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
         acc_net, _ = micro_nets('auto', module__max_rows=10, max_epochs=1,
-                                module__fails_from=PLAN_PASSES)
+                                module__armed=False,
+                                callbacks=[('arm', ArmAfterThePlan())])
         fit_seeded(acc_net, *clf_data)
         acc_net.partial_fit(*clf_data)
         assert acc_net.micro_batch_size_ == 8
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8]
-        assert acc_net.history[:, 'batches', :, 'micro_batch_size_backoff'] == [
-            [[16, 8]]]
+        assert backoffs(acc_net) == [[16, 8]]
         acc_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data)
         assert acc_net.micro_batch_size_ is None  # whole batches fit now
@@ -331,45 +236,56 @@ def test_auto_backs_off_on_real_cuda_memory(clf_data):
 
 class BatchNormCapped(torch.nn.Module):
     """BatchNorm updates its statistics before the simulated out-of-memory
-    error, as a real failure late in the forward pass would; after its first
-    ``fails_from`` passes."""
+    error, as a real failure late in the forward pass would; once
+    ``armed``."""
 
-    def __init__(self, max_rows=16, fails_from=0):
+    def __init__(self, max_rows=16, armed=True):
         super().__init__()
-        self.fails_from, self.calls_ = fails_from, 0
         self.hidden = torch.nn.Linear(10, 16, dtype=torch.float64)
         self.norm = torch.nn.BatchNorm1d(16, dtype=torch.float64)
         self.output = torch.nn.Linear(16, 3, dtype=torch.float64)
-        self.max_rows = max_rows
+        self.max_rows, self.armed = max_rows, armed
 
     def forward(self, X):
         hidden = self.norm(self.hidden(X))
-        self.calls_ += 1
-        if len(X) > self.max_rows and self.calls_ > self.fails_from:
+        if len(X) > self.max_rows and self.armed:
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return torch.softmax(self.output(torch.tanh(hidden)), dim=-1)
 
 
-@pytest.mark.parametrize('fails_from', [0, PLAN_PASSES])
-def test_auto_restores_buffers_of_failed_attempts(clf_data, fails_from):
-    # in the plan's try (0), 64, 32 and 22 rows fail, 16 fit; in the step
-    # (a back-off), 64 and 32 fail, 16 fit: the run equals one at that size
+class SwitchAfterTheFirstStep(Callback):
+    """Sets the net's ``micro_batch_size`` after its first step."""
+
+    train_batch_reads = ()
+
+    def __init__(self, size):
+        self.size = size
+
+    def on_grad_computed(self, net, **kwargs):
+        net.micro_batch_size = self.size
+
+
+@pytest.mark.parametrize('in_the_plan', [True, False])
+def test_auto_restores_buffers_of_failed_attempts(clf_data, in_the_plan):
+    # above 16 rows, the passes fail in the plan, or the steps after the
+    # first (a back-off): the run equals one at the sizes that trained
     # from the start, BatchNorm's statistics and counter included
     kwargs = dict(batch_size=64, max_epochs=2, lr=0.1, verbose=0,
                   train_split=None, iterator_train__shuffle=True)
-    size = 16
     auto = fit_seeded(GradAccNeuralNetClassifier(
-        BatchNormCapped, micro_batch_size='auto', module__fails_from=fails_from,
-        **kwargs), *clf_data)
+        BatchNormCapped, micro_batch_size='auto', module__armed=in_the_plan,
+        callbacks=[] if in_the_plan else [ArmAfterThePlan()], **kwargs),
+        *clf_data)
+    size = auto.micro_batch_size_
+    assert size <= 16 and bool(backoffs(auto)) != in_the_plan
     fixed = fit_seeded(GradAccNeuralNetClassifier(
-        BatchNormCapped, micro_batch_size=size, **kwargs), *clf_data)
-    assert auto.micro_batch_size_ == size
-    assert auto.history[0, 'batches', 0].get('micro_batch_size_backoff') == (
-        [32, 16] if fails_from else None)
+        BatchNormCapped, module__max_rows=1000,
+        micro_batch_size=size if in_the_plan else 64,
+        callbacks=[] if in_the_plan else [SwitchAfterTheFirstStep(size)],
+        **kwargs), *clf_data)
     fixed_state = fixed.module_.state_dict()
     for key, value in auto.module_.state_dict().items():
         torch.testing.assert_close(value, fixed_state[key], rtol=0,
                                    atol=PARAM_ATOL, msg=key)
-    # micro-batches of 64, 64, 64 and 11 rows, in pieces of at most 16: 13
-    # forward passes an epoch
-    assert auto.module_.norm.num_batches_tracked.item() == 26
+    assert auto.module_.norm.num_batches_tracked.item() == (
+        fixed.module_.norm.num_batches_tracked.item())

@@ -16,30 +16,31 @@ Accelerate's state lives as long as the process)
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
-  module runs out of memory above 4 rows, after the plan's passes;
+  module runs out of memory above 4 rows, armed after the plan (the first
+  step's gradient): the plan was wrong;
+* ``apart``: ``auto`` on 61 rows, armed on both ranks: rank 0's module
+  runs out of memory above 6 rows, rank 1's above 3; in the second step
+  rank 0 has a micro-batch of 8 rows and rank 1 one of 5, and both fail
+  at once, wanting pieces of 4 and of 3: every rank takes the least;
 * ``plan``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1
-  has a budget, of 1 byte: every rank plans pieces of 1 row.
-* ``plan_conv``: ``samples`` with ``micro_batch_size='auto'`` and a
-  convolution, where only rank 1's module runs out of memory above 3 rows:
-  every rank tries pieces of 3 and their last piece, of 2 rows.
-* ``plan_code``: ``plan_conv`` with a float32 convolution, which compiles
-  code per shape, and only rank 1 under ``RLIMIT_AS``: every rank charges
-  that code, and halves after a failed try.
+  has a budget, of 1 byte: every rank raises the plan's ValueError before
+  the first step, and saves it;
+* ``plan_fails``: ``plan`` without budgets, where only rank 1's module
+  runs out of memory above 4 rows from the start, in the plan's passes.
 
 Each rank saves its parameters, history and counters to
 OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
-import resource
 import sys
 
 import torch
 from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
-from test_micro_batch_size import CappedConv2d
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -59,13 +60,16 @@ from skorch_gradacc import (
     GradAccNeuralNetClassifier,
 )
 from skorch_gradacc.distributed import DistributedGradAccMixin
-from skorch_gradacc.memory import PLAN_REPEATS, _proc_bytes
 
-from conftest import ConvMLPClassifier, MLPClassifier, classification_data
+from conftest import MLPClassifier, classification_data
 
 BATCH_SIZE, ACC_STEPS = 8, 3
+# 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
+# (rank 0's) and one of 5 (rank 1's)
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
-             'plan': 195, 'plan_conv': 195, 'plan_code': 195}
+             'apart': 61, 'plan': 195, 'plan_fails': 195}
+# the most rows each rank's module takes, per scenario
+MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
 
 class CountsMicroBatches:
@@ -99,22 +103,30 @@ class DDPTokenLMNet(CountsMicroBatches, TokenMixin, DistributedGradAccMixin,
 
 class CappedMLP(MLPClassifier):
     """Raises torch.cuda.OutOfMemoryError (torch 2.3 has no
-    torch.OutOfMemoryError) above ``max_rows`` rows, after its first
-    ``fails_from`` passes."""
+    torch.OutOfMemoryError) above ``max_rows`` rows, like a GPU that cannot
+    hold more, once ``armed``; ``failed_rows_``: the rows of each pass
+    that raised."""
 
-    def __init__(self, max_rows=1000, fails_from=0):
+    def __init__(self, max_rows=1000, armed=True):
         super().__init__()
-        self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
+        self.max_rows, self.armed = max_rows, armed
+        self.failed_rows_ = []
 
     def forward(self, X):
-        self.calls_ += 1
-        if len(X) > self.max_rows and self.calls_ > self.fails_from:
+        if len(X) > self.max_rows and self.armed:
+            self.failed_rows_.append(len(X))
             raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
 
 
-class CappedConvMLP(CappedMLP, ConvMLPClassifier):
-    pass
+class ArmAfterThePlan(Callback):
+    """Arms the module's error after the first step: the plan was wrong."""
+
+    train_batch_reads = ()  # nothing of the batch
+
+    def on_grad_computed(self, net, **kwargs):
+        module = net.module_
+        getattr(module, 'module', module).armed = True  # unwrap DDP
 
 
 class FailingMLP(MLPClassifier):
@@ -175,24 +187,16 @@ def make_net_and_data(scenario, rank, device):
         del common['device']  # the accelerator places the module
         return make_accelerated_net(**common), *classification_data(192)
     module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
-    if scenario == 'auto':
+    if scenario in MAX_ROWS:
         module = CappedMLP
-        # after the plan's passes (their last, at 8 rows, fits): a plan that
-        # was wrong
         common.update(micro_batch_size='auto',
-                      module__max_rows=4 if rank == 1 else 1000,
-                      module__fails_from=2 + 2 * PLAN_REPEATS)
+                      module__max_rows=MAX_ROWS[scenario][rank],
+                      module__armed=scenario == 'plan_fails')
+        if scenario != 'plan_fails':  # after the plan's passes
+            common['callbacks'] = [ArmAfterThePlan()]
     if scenario == 'plan':
         common.update(micro_batch_size='auto',
                       memory_budget=1 if rank == 1 else None)
-    if scenario == 'plan_conv':
-        module = CappedConvMLP
-        common.update(micro_batch_size='auto',
-                      module__max_rows=3 if rank == 1 else 1000)
-    if scenario == 'plan_code':  # channels no other scenario compiles
-        module = CappedConv2d
-        common.update(micro_batch_size='auto', module__channels=7,
-                      module__max_rows=3 if rank == 1 else 1000)
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -205,17 +209,14 @@ def run(scenario, out_dir, device):
     # 0's weights and the net rank 0's random state each epoch.
     torch.manual_seed(rank if scenario == 'shuffle' else 0)
     net, X, y = make_net_and_data(scenario, rank, device)
-    limit = resource.getrlimit(resource.RLIMIT_AS)
-    if scenario == 'plan_code' and rank == 1:  # far above what it takes
-        resource.setrlimit(resource.RLIMIT_AS, (
-            _proc_bytes('/proc/self/status', 'VmSize') + 2 ** 36, limit[1]))
-    try:
-        net.fit(X, y)
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, limit)
+    if scenario == 'plan':
+        return refuse(net, X, y, out_dir)
+    params_before = sorted(net.get_params(deep=False))
+    net.fit(X, y)
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
     save_rank({
+        'params_keys': (params_before, sorted(net.get_params(deep=False))),
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
         'allreduces': net.engine_.allreduces,
@@ -225,6 +226,7 @@ def run(scenario, out_dir, device):
         'micro_batch_size_': getattr(net, 'micro_batch_size_', None),
         'memory_plan_': getattr(net, 'memory_plan_', None),
         'piece_rows': net.piece_rows_,
+        'failed_rows': getattr(module, 'failed_rows_', None),
         'backoffs': [[row.get('micro_batch_size_backoff') for row in rows]
                      for rows in net.history[:, 'batches']],
         'epoch_micro_batch_size': [row.get('micro_batch_size')
@@ -234,6 +236,39 @@ def run(scenario, out_dir, device):
                          net.history[:, 'batches', :, 'train_loss']],
         'batch_sizes': [[int(size) for size in sizes] for sizes in
                         net.history[:, 'batches', :, 'train_batch_size']],
+    }, out_dir)
+
+
+def params_of(net):
+    module = net.module_
+    module = getattr(module, 'module', module)  # unwrap DDP
+    return {key: value.detach().cpu().clone()
+            for key, value in module.state_dict().items()}
+
+
+def refuse(net, X, y, out_dir):
+    """'plan': the ValueError of a budget too small for one row, on every
+    rank, before the first step; saves it, and what training changed."""
+    net.initialize()
+    initial = params_of(net)
+    try:
+        net.partial_fit(X, y)
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = None
+    save_rank({
+        'message': message,
+        'params_unchanged': all(
+            torch.equal(value, initial[key])
+            for key, value in params_of(net).items()),
+        'optimizer_state': len(net.optimizer_.state),
+        'allreduces': net.engine_.allreduces,
+        'micro_batches': getattr(net, 'micro_batches_', 0),
+        'memory_plan_': net.memory_plan_,
+        # the rows of the batches that trained: with a loss
+        'trained_batches': sum('train_loss' in row for epoch in net.history
+                               for row in epoch['batches']),
     }, out_dir)
 
 

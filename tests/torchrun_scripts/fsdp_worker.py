@@ -19,16 +19,17 @@ after another, see worker_common.py)
 * ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
   take different numbers of passes in the last step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
-  module runs out of memory above 4 rows, after the plan's passes;
+  module runs out of memory above 4 rows, armed after the plan (the first
+  step's gradient): the plan was wrong;
+* ``apart``: ``auto`` on 61 rows, armed on both ranks: rank 0's module
+  runs out of memory above 6 rows, rank 1's above 3; in the second step
+  rank 0 has a micro-batch of 8 rows and rank 1 one of 5, and both fail
+  at once, wanting pieces of 4 and of 3: every rank takes the least;
 * ``plan``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1
-  has a budget, of 1 byte: every rank plans pieces of 1 row;
+  has a budget, of 1 byte: every rank raises the plan's ValueError before
+  the first step, and saves it (nothing else);
 * ``plan_fails``: ``plan`` without budgets, where only rank 1's module
-  runs out of memory above 4 rows: the plan's try of 8 rows fails there;
-* ``plan_conv``: ``plan_fails`` after a convolution, above 3 rows: every
-  rank tries pieces of 3 and their last piece, of 2 rows;
-* ``plan_code``: ``plan_conv`` after a float32 convolution, which compiles
-  code per shape, with only rank 1 under ``RLIMIT_AS``: every rank charges
-  that code, and halves after a failed try;
+  runs out of memory above 4 rows from the start, in the plan's passes;
 * ``skip``: ``samples`` with ``skip_nonfinite=True``, where one step's
   gradient is infinite in rank 1's shard only;
 * ``iterable``: ``samples`` from an ``IterableDataset`` of micro-batches,
@@ -48,7 +49,6 @@ OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
-import resource
 import sys
 
 import numpy as np
@@ -64,65 +64,53 @@ from test_normalization import IGNORE, TokenTagger, token_data
 
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
-from skorch_gradacc.memory import PLAN_REPEATS, _proc_bytes
 
-from conftest import DTYPE, Conv2dFront, classification_data
+from conftest import DTYPE, classification_data
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
+# 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
+# (rank 0's) and one of 5 (rank 1's)
+N_APART_SAMPLES = 61
+# the most rows each rank's module takes, per scenario
+MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 FP16_VOCAB, FP16_ACC_STEPS, FP16_LR = 64, 2, 0.5
 CLIP_NORM = 0.05
 
 
 def sequential_classifier():
-    """A plain Sequential: the default sharding makes each Linear a unit."""
+    """A plain Sequential: the default sharding shards each Linear apart."""
     return torch.nn.Sequential(
         torch.nn.Linear(10, 16, dtype=DTYPE), torch.nn.Tanh(),
         torch.nn.Linear(16, 16, dtype=DTYPE), torch.nn.Tanh(),
         torch.nn.Linear(16, 3, dtype=DTYPE), torch.nn.Softmax(dim=-1))
 
 
-class Conv1x1(torch.nn.Module):
-    """A convolution of one channel, kernel 1, over the features: the plan
-    tries the last piece of a micro-batch too (in float64, oneDNN compiles
-    no code for it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv1d(1, 1, 1, dtype=DTYPE)
-
-    def forward(self, X):
-        return self.conv(X[:, None, :])[:, 0]
-
-
-def conv_classifier(front=Conv1x1):
-    """sequential_classifier after a convolution."""
-    return torch.nn.Sequential(front(), *sequential_classifier())
-
-
-def code_classifier():
-    """sequential_classifier after Conv2dFront (float32: FSDP2 shards it
-    apart from the float64 Linear layers)."""
-    return conv_classifier(Conv2dFront)
-
-
 class CappedClassifier(torch.nn.Sequential):
     """Raises torch.OutOfMemoryError above ``max_rows`` rows, like a GPU
-    that cannot hold more, before any collective of the forward pass, after
-    its first ``fails_from`` passes; ``rows_``: the rows of each pass. With
-    ``conv`` (a module class), conv_classifier's layers after it."""
+    that cannot hold more, before any collective of the forward pass, once
+    ``armed``; ``rows_``: the rows of each pass, ``failed_rows_``: of each
+    that raised."""
 
-    def __init__(self, max_rows=1000, fails_from=0, conv=None):
-        super().__init__(*(conv_classifier(conv) if conv
-                           else sequential_classifier()))
-        self.max_rows, self.fails_from, self.calls_ = max_rows, fails_from, 0
-        self.rows_ = []
+    def __init__(self, max_rows=1000, armed=True):
+        super().__init__(*sequential_classifier())
+        self.max_rows, self.armed = max_rows, armed
+        self.rows_, self.failed_rows_ = [], []
 
     def forward(self, X):
-        self.calls_ += 1
         self.rows_.append(len(X))
-        if len(X) > self.max_rows and self.calls_ > self.fails_from:
+        if len(X) > self.max_rows and self.armed:
+            self.failed_rows_.append(len(X))
             raise torch.OutOfMemoryError('CUDA out of memory (simulated)')
         return super().forward(X)
+
+
+class ArmAfterThePlan(Callback):
+    """Arms the module's error after the first step: the plan was wrong."""
+
+    train_batch_reads = ()  # nothing of the batch
+
+    def on_grad_computed(self, net, **kwargs):
+        net.module_.armed = True  # fully_shard keeps the module itself
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -268,17 +256,13 @@ def make_net(scenario, max_epochs=2, X=None):
     module = sequential_classifier
     if scenario == 'micro':
         common['micro_batch_size'] = 3
-    if scenario in ('auto', 'plan_fails', 'plan_conv', 'plan_code'):
+    if scenario in MAX_ROWS:
         module = CappedClassifier
         common['micro_batch_size'] = 'auto'
-        common['module__max_rows'] = 1000 if dist.get_rank() == 0 else (
-            3 if scenario in ('plan_conv', 'plan_code') else 4)
-        common['module__conv'] = {'plan_conv': Conv1x1,
-                                  'plan_code': Conv2dFront}.get(scenario)
-        # 'auto': after the plan's passes (their last, at 8 rows, fits): a
-        # plan that was wrong
-        common['module__fails_from'] = (2 + 2 * PLAN_REPEATS
-                                        if scenario == 'auto' else 0)
+        common['module__max_rows'] = MAX_ROWS[scenario][dist.get_rank()]
+        common['module__armed'] = scenario == 'plan_fails'
+        if scenario != 'plan_fails':  # after the plan's passes
+            common['callbacks'] = [ArmAfterThePlan()]
     if scenario == 'plan':
         common['micro_batch_size'] = 'auto'
         common['memory_budget'] = 1 if dist.get_rank() == 1 else None
@@ -311,6 +295,8 @@ def fit(scenario, out_dir):
         X, y = spiky_data()
     elif scenario == 'fp16_tokens':
         X, y = fp16_token_data()
+    elif scenario == 'apart':
+        X, y = classification_data(N_APART_SAMPLES)
     else:
         X, y = classification_data(N_SAMPLES)
     if scenario == 'iterable':
@@ -319,21 +305,18 @@ def fit(scenario, out_dir):
         X, y = Dataset(X, y), None
     torch.manual_seed(0)  # the same initial weights on every rank
     if scenario != 'resume':
-        net = make_net(scenario, X=X).initialize()
+        net = make_net(scenario, X=X)
+        PARAMS_KEYS[:] = [sorted(net.get_params(deep=False))]
+        net.initialize()
         net.trained_rows_ = [] if scenario == 'sampler' else None
         net.forward_dtypes_ = set()
         first_layer = next(module for module in net.module_.modules()
                            if isinstance(module, torch.nn.Linear))
         first_layer.register_forward_hook(
             lambda module, args, output: net.forward_dtypes_.add(output.dtype))
-        limit = resource.getrlimit(resource.RLIMIT_AS)
-        if scenario == 'plan_code' and dist.get_rank() == 1:  # far above
-            resource.setrlimit(resource.RLIMIT_AS, (_proc_bytes(
-                '/proc/self/status', 'VmSize') + 2 ** 36, limit[1]))
-        try:
-            return net.partial_fit(X, y)
-        finally:
-            resource.setrlimit(resource.RLIMIT_AS, limit)
+        if scenario == 'plan':
+            return refuse(net, X, y)
+        return net.partial_fit(X, y)
     first = make_net(scenario, max_epochs=1).fit(X, y)
     first.save_params(f_params=out_dir / 'epoch1_params.pt',
                       f_optimizer=out_dir / 'epoch1_optimizer.pt',
@@ -344,6 +327,39 @@ def fit(scenario, out_dir):
                     f_optimizer=out_dir / 'epoch1_optimizer.pt',
                     f_history=out_dir / 'epoch1_history.json')
     return net.partial_fit(X, y)
+
+
+def local_params(net):
+    return [param.to_local().detach().clone()
+            for param in net.module_.parameters()]
+
+
+def refuse(net, X, y):
+    """'plan': the ValueError of a budget too small for one row, on every
+    rank, before the first step; returns it, and what training changed."""
+    initial = local_params(net)
+    try:
+        net.partial_fit(X, y)
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = None
+    return {
+        'message': message,
+        'params_unchanged': all(
+            torch.equal(value, before)
+            for value, before in zip(local_params(net), initial)),
+        'optimizer_state': len(net.optimizer_.state),
+        'memory_plan_': net.memory_plan_,
+        # the rows of the batches that trained: with a loss
+        'trained_batches': sum('train_loss' in row for epoch in net.history
+                               for row in epoch['batches']),
+    }
+
+
+# the keys of the net's get_params before its fit: runtime state that
+# leaked into them would reach clone()
+PARAMS_KEYS = []
 
 
 def run(scenario, out_dir):
@@ -360,10 +376,14 @@ def run(scenario, out_dir):
         net = fit(scenario, out_dir)
     finally:
         dist.reduce_scatter_single = reduce_scatter_single
+    if scenario == 'plan':  # refused: net is what refuse() returned
+        save_rank(dict(net, reduce_scatters=len(reduce_scatters)), out_dir)
+        return
     net.save_params(f_params=out_dir / 'params.pt',
                     f_optimizer=out_dir / 'optimizer.pt',
                     f_history=out_dir / 'history.json')
     save_rank({
+        'params_keys': PARAMS_KEYS + [sorted(net.get_params(deep=False))],
         'shard_numel': sum(param.to_local().numel()
                            for param in net.module_.parameters()),
         'max_memory_allocated': (torch.cuda.max_memory_allocated()
@@ -387,6 +407,7 @@ def run(scenario, out_dir):
         'micro_batch_size_': net.micro_batch_size_,
         'memory_plan_': getattr(net, 'memory_plan_', None),
         'forward_rows': getattr(net.module_, 'rows_', None),
+        'failed_rows': getattr(net.module_, 'failed_rows_', None),
         'scale': net.grad_scaler_ and net.grad_scaler_.get_scale(),
         'piece_losses': getattr(net, 'piece_losses_', None),
         'merged_losses': [row.get('piece_loss')

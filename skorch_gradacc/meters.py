@@ -1,0 +1,309 @@
+"""Memory measured: what a process adds, a device gives, backward saves.
+
+:class:`MemoryMeter` measures the memory a process adds from a moment on,
+as containers and GPUs count it: on the CPU, resident memory, which a
+container's cgroup limits; on CUDA, what torch's caching allocator
+reserves. :func:`available_memory` reads what a device still gives, and
+:func:`fix_malloc_threshold` keeps glibc's malloc from holding on to what
+tensors free; the plan of ``micro_batch_size='auto'``
+(:mod:`skorch_gradacc.memory`) uses them. :func:`track_activation_memory`
+counts the tensors autograd saves for backward: the activation memory that
+smaller micro-batches shrink.
+"""
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+
+import torch
+
+__all__ = ['ActivationMemory', 'MemoryMeter', 'available_memory',
+           'fix_malloc_threshold', 'track_activation_memory']
+
+# glibc's default mmap threshold, which fix_malloc_threshold keeps
+MALLOC_THRESHOLD = 128 * 2 ** 10
+
+
+def available_memory(device):
+    """Return the bytes this process can still take on ``device``.
+
+    * CUDA: the device's free memory (``torch.cuda.mem_get_info``) plus what
+      torch's caching allocator holds reserved but unused, and at most what
+      ``torch.cuda.set_per_process_memory_fraction`` leaves;
+    * CPU: the lesser of the cgroup's ``memory.max`` (v1:
+      ``memory.limit_in_bytes``) less its usage, and ``MemAvailable`` of
+      ``/proc/meminfo``.
+
+    None where none of them can be read (another device, another OS).
+
+    Examples
+    --------
+    >>> available_memory('cpu') > 0  # on Linux
+    True
+
+    """
+    device = torch.device(device)
+    if device.type == 'cuda':
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, 'get_per_process_memory_fraction', None)
+        if fraction is not None:
+            available = min(available, int(fraction(device) * total) - allocated)
+        return available
+    if device.type != 'cpu':
+        return None
+    limits = [limit for limit in (_status_bytes('/proc/meminfo').get('MemAvailable'),
+                                  _cgroup_headroom()) if limit is not None]
+    return max(0, min(limits)) if limits else None
+
+
+def _status_bytes(path='/proc/self/status'):
+    """Return the ``key: N kB`` lines of a /proc file, in bytes."""
+    try:
+        with open(path) as lines:
+            return {key: int(value.split()[0]) * 1024 for key, _, value in (
+                line.partition(':') for line in lines) if value.endswith('kB\n')}
+    except OSError:
+        return {}
+
+
+# the memory controller's folder and its files of limit and usage, by the
+# controllers named in /proc/self/cgroup: v2 (none named) and v1
+_CGROUPS = {'': ('/sys/fs/cgroup', 'memory.max', 'memory.current'),
+            'memory': ('/sys/fs/cgroup/memory', 'memory.limit_in_bytes',
+                       'memory.usage_in_bytes')}
+
+
+def _read(path):
+    with open(path) as file:
+        return file.read().strip()
+
+
+def _cgroup_headroom():
+    """Return the process's cgroup memory limit minus its usage, or None."""
+    try:
+        with open('/proc/self/cgroup') as lines:
+            entries = [line.rstrip('\n').split(':', 2) for line in lines]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        key = '' if not controllers else 'memory' if 'memory' in controllers.split(
+            ',') else None
+        root, *names = _CGROUPS.get(key, (None,))
+        # in a cgroup namespace, the mount is the process's cgroup
+        for folder in ([root + path, root] if root else []):
+            try:
+                limit, usage = (_read(os.path.join(folder, name)) for name in names)
+            except OSError:
+                continue
+            # 'max', or v1's largest page-aligned number: no limit
+            return None if limit == 'max' or int(limit) >= 2 ** 60 else (
+                int(limit) - int(usage))
+    return None
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
+    except OSError:
+        return None
+    return libc if hasattr(libc, 'malloc_trim') else None  # glibc's
+
+
+_LIBC = _load_libc()
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's options
+
+
+def fix_malloc_threshold():
+    """Keep glibc's mmap threshold at its default, 128 KiB; whether it did.
+
+    glibc gives each block above the threshold a mapping of its own, which
+    ``free`` returns to the OS, and raises the threshold to each such block
+    it frees: later tensors then come from the heap, which keeps what they
+    free, and resident memory grows with what ran before (twice what the
+    tensors take, in some fits). From this call on, for the whole process,
+    the threshold (and the heap's trim threshold) stays at glibc's default,
+    as with ``MALLOC_MMAP_THRESHOLD_=131072``. A fit with
+    ``micro_batch_size='auto'`` on the CPU calls it. Nothing is changed
+    where the process set the thresholds itself (``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_`` or their ``GLIBC_TUNABLES``) or where malloc
+    is not glibc's.
+
+    Examples
+    --------
+    >>> fix_malloc_threshold() in (True, False)
+    True
+
+    """
+    tunables = os.environ.get('GLIBC_TUNABLES', '')
+    if _LIBC is None or 'MALLOC_MMAP_THRESHOLD_' in os.environ or (
+            'MALLOC_TRIM_THRESHOLD_' in os.environ) or 'threshold' in tunables:
+        return False
+    return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MALLOC_THRESHOLD)
+                and _LIBC.mallopt(_M_TRIM_THRESHOLD, MALLOC_THRESHOLD))
+
+
+class MemoryMeter:
+    """The memory a fit adds on a device, as containers and GPUs count it.
+
+    Counted from the moment the meter is made: on the CPU, anonymous
+    resident memory (``RssAnon``; peaks from ``VmHWM``, less the pages of
+    files mapped, which the kernel can reclaim), on CUDA, what torch's
+    caching allocator reserves. :meth:`reset` starts a window, after
+    giving back what malloc or the cache hold unused; :meth:`peak` is the
+    window's peak, :meth:`held` what is held now and :meth:`highest` the
+    peak of all windows. ``method`` is ``'rss'``, ``'cuda'`` or None where
+    neither can be read (then nothing is planned).
+
+    Parameters
+    ----------
+    device : str or torch.device
+      The device whose memory is measured.
+
+    Examples
+    --------
+    >>> import torch
+    >>> meter = MemoryMeter('cpu')
+    >>> x = torch.ones(2 ** 20)  # 4 MiB
+    >>> meter.peak() >= 4 * 2 ** 20 - 2 ** 16  # on Linux
+    True
+
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.method = 'cuda' if self.device.type == 'cuda' else (
+            'rss' if _reset_rss_peak() else None)
+        self._start_window()
+        self.baseline, self._highest = self._now(), 0
+        self.available = available_memory(self.device)
+
+    def _now(self):
+        if self.method == 'cuda':
+            return torch.cuda.memory_reserved(self.device)
+        return _status_bytes().get('RssAnon', 0)
+
+    def held(self):
+        """Return the bytes held now above the meter's start."""
+        return self._now() - self.baseline
+
+    def peak(self):
+        """Return the window's peak bytes above the meter's start."""
+        if self.method == 'cuda':
+            peak = torch.cuda.max_memory_reserved(self.device)
+        elif self.method == 'rss':
+            status = _status_bytes()
+            peak = status['VmHWM'] - status['VmRSS'] + status['RssAnon']
+        else:
+            return 0
+        return max(0, peak - self.baseline)
+
+    def highest(self):
+        """Return the peak of every window so far."""
+        return max(self._highest, self.peak())
+
+    def reset(self, release=False):
+        """Start a new window: its peak is what is held now.
+
+        With ``release``, malloc first gives the OS the memory it holds
+        free (``malloc_trim``), which passes measured next would reuse
+        unseen.
+        """
+        self._highest = self.highest()
+        if release and _LIBC is not None:
+            _LIBC.malloc_trim(0)
+        self._start_window()
+
+    def _start_window(self):
+        if self.method == 'cuda':
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.method == 'rss':
+            _reset_rss_peak()
+
+
+def _reset_rss_peak():
+    """Reset VmHWM to the resident memory now; whether it worked."""
+    try:
+        with open('/proc/self/clear_refs', 'w') as clear_refs:
+            clear_refs.write('5')
+    except OSError:
+        return False
+    return 'VmHWM' in _status_bytes()
+
+
+# The bytes saved for backward
+
+class ActivationMemory:
+    """Running and peak bytes of tensors saved for backward.
+
+    Attributes
+    ----------
+    current_bytes : int
+      Bytes saved by graphs that are still alive.
+
+    peak_bytes : int
+      The largest value ``current_bytes`` reached.
+
+    """
+
+    def __init__(self):
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    @property
+    def peak_mib(self):
+        """The peak in MiB."""
+        return self.peak_bytes / 2 ** 20
+
+    def _pack(self, tensor):
+        return _Saved(self, tensor)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor
+
+
+class _Saved:
+    """A saved tensor that reports its bytes until the graph releases it."""
+
+    __slots__ = ('meter', 'tensor', 'nbytes')
+
+    def __init__(self, meter, tensor):
+        self.meter = meter
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.current_bytes += self.nbytes
+        meter.peak_bytes = max(meter.peak_bytes, meter.current_bytes)
+
+    def __del__(self):
+        self.meter.current_bytes -= self.nbytes
+
+
+@contextlib.contextmanager
+def track_activation_memory():
+    """Count the bytes of tensors saved for backward inside the block.
+
+    Tensors that several graph nodes save are counted once per node, and
+    weights that autograd keeps for backward are counted although they take
+    no extra memory. The count therefore overstates activation memory by a
+    fixed amount for a given model, whatever the batch size; compare
+    measurements with each other, not with the device.
+
+    Examples
+    --------
+    >>> import torch
+    >>> layer = torch.nn.Linear(1000, 10)
+    >>> with track_activation_memory() as memory:
+    ...     layer(torch.randn(8, 1000)).sum().backward()
+    >>> memory.peak_bytes >= 8 * 1000 * 4  # the saved input
+    True
+    >>> memory.current_bytes  # released by backward
+    0
+
+    """
+    meter = ActivationMemory()
+    with torch.autograd.graph.saved_tensors_hooks(meter._pack, meter._unpack):
+        yield meter
