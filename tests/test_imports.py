@@ -30,3 +30,20 @@ def test_importing_the_package_leaves_fsdp_alone():
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch
+@pytest.mark.parametrize('version, fsdp2', [('2.3.0', False), ('2.8.0', True)])
+def test_star_import_at_every_torch_version(version, fsdp2):
+    # below torch 2.8 (FSDP2), the star import leaves FullyShardedGradAccMixin
+    # out instead of failing; this torch is told its version is the one given
+    code = (
+        "import torch\n"
+        "torch.__version__ = {!r}\n"
+        "from skorch_gradacc import *\n"
+        "assert ('FullyShardedGradAccMixin' in dir()) == {!r}\n"
+        "assert GradAccNeuralNetClassifier and BatchNormWarning\n").format(
+            version, fsdp2)
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr

@@ -467,3 +467,16 @@ def test_default_counts_under_ddp_with_uneven_tokens(case, ddp_default_counts):
                                        atol=PARAM_ATOL)
         np.testing.assert_allclose(saved['train_loss'],
                                    plain.history[:, 'train_loss'], rtol=1e-10)
+
+
+def test_under_cross_validation_the_warning_points_at_the_users_call():
+    # not into scikit-learn's _validation.py: its frames are skipped too
+    from sklearn.model_selection import cross_val_score
+
+    X, y = autoencoder_data()
+    net = AutoEncoderNet(AutoEncoder, batch_size=16, acc_steps=2, max_epochs=1,
+                         verbose=0, train_split=None)
+    with pytest.warns(LossItemsWarning) as record:
+        cross_val_score(net, X, y, cv=2, scoring='neg_mean_squared_error')
+    assert {w.filename for w in record
+            if w.category is LossItemsWarning} == {__file__}

@@ -1,11 +1,14 @@
 """Normalization: each group is weighted by what it really contains."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 from skorch import NeuralNet
 
 from skorch_gradacc import (
+    BatchNormWarning,
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
     LossItemsWarning,
@@ -224,3 +227,61 @@ class TestBadCounts:
                 r"count_loss_items\(batch\) must be a number or a one-element "
                 r"tensor of numbers, got a tensor of shape \(2,\)")):
             fit_seeded(net, X, y)
+
+
+# BatchNorm on pieces smaller than the batch: what cannot match, said once
+
+class NormedMLP(torch.nn.Module):
+    """A BatchNorm between two layers; with ``frozen``, kept in eval mode,
+    as when fine-tuning a pretrained CNN."""
+
+    def __init__(self, frozen=False):
+        super().__init__()
+        self.hidden = torch.nn.Linear(10, 16, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(16, dtype=torch.float64)
+        self.output = torch.nn.Linear(16, 3, dtype=torch.float64)
+        self.frozen = frozen
+
+    def train(self, mode=True):
+        super().train(mode)
+        if self.frozen:
+            self.norm.eval()
+        return self
+
+    def forward(self, X):
+        return torch.softmax(self.output(self.norm(self.hidden(X))), dim=-1)
+
+
+class TestBatchNormWarning:
+    def fit(self, clf_data, **kwargs):
+        kwargs = dict(dict(batch_size=8, acc_steps=4), **kwargs)
+        return GradAccNeuralNetClassifier(
+            NormedMLP, max_epochs=2, verbose=0, train_split=None,
+            **kwargs).fit(*clf_data)
+
+    def test_warns_once_a_fit_at_the_users_call(self, clf_data):
+        with pytest.warns(BatchNormWarning) as record:
+            self.fit(clf_data)
+        [warning] = [w for w in record if w.category is BatchNormWarning]
+        assert str(warning.message) == (
+            "GradAccNeuralNetClassifier trains BatchNorm1d on pieces smaller "
+            "than its batch: their statistics differ from the large batch's, "
+            "and so does training (docs: FAQ, BatchNorm). To silence it, "
+            "filter BatchNormWarning.")
+        assert warning.filename == __file__
+
+    @pytest.mark.parametrize('kwargs', [
+        {'acc_steps': 1}, {'module__frozen': True}])
+    def test_not_where_the_batch_is_whole_or_norms_are_frozen(
+            self, clf_data, kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', BatchNormWarning)
+            self.fit(clf_data, **kwargs)
+
+    def test_with_micro_batch_size_too_and_a_filter_silences_it(self, clf_data):
+        with pytest.warns(BatchNormWarning):
+            self.fit(clf_data, batch_size=32, acc_steps=1, micro_batch_size=8)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            warnings.filterwarnings('ignore', category=BatchNormWarning)
+            self.fit(clf_data)
