@@ -15,8 +15,13 @@ with those links, set ``SKORCH_GRADACC_INTERSPHINX=1``::
 
     SKORCH_GRADACC_INTERSPHINX=1 python -m sphinx -W -b html docs docs/_build/html
 
-Without intersphinx, references such as :class:`torch.nn.BatchNorm1d` render
-as plain code; ``nitpicky`` stays off, so they are not warnings.
+The build is ``nitpicky``: a reference to a name that the docs do not
+document is a warning, hence an error. Without intersphinx, references to
+the names of torch, skorch, scikit-learn, numpy and the standard library,
+such as :class:`torch.nn.BatchNorm1d`, render as plain code;
+``nitpick_ignore_regex`` keeps them from warning, and only them: a name of
+this package that a page or a public docstring references must be
+documented in ``api.rst`` (a class's internal bases show as code).
 """
 
 import os
@@ -55,6 +60,14 @@ autodoc_member_order = 'bysource'
 autodoc_default_options = {'show-inheritance': True}
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
+
+nitpicky = True
+# Other projects' names: intersphinx links them when it is on.
+EXTERNAL = ['torch', 'skorch', 'sklearn', 'numpy',
+            *sorted(sys.stdlib_module_names)]
+nitpick_ignore_regex = [
+    (r'py:.*', r'(?:{})(?:\..+)?'.format('|'.join(EXTERNAL))),
+]
 
 # CHANGES.md is included by changes.rst, and the README's commands by
 # installation.rst, through myst_parser; the README's sections are H2.
@@ -99,6 +112,19 @@ def _rewrite_changes_links(app, doctree):
             node['reftargetid'] = None
 
 
+def _literal_internal_bases(app, name, obj, options, bases):
+    """Show a class's internal bases as code, not as references.
+
+    The API reference documents only the names in a module's ``__all__``.
+    """
+    for i, base in enumerate(bases):
+        module = getattr(base, '__module__', '')
+        if (module.split('.')[0] == 'skorch_gradacc' and base.__name__
+                not in getattr(sys.modules[module], '__all__', ())):
+            bases[i] = '``{}.{}``'.format(module, base.__qualname__)
+
+
 def setup(app):
-    """Register the link rewriting for CHANGES.md."""
+    """Register the link rewriting for CHANGES.md, and the internal bases."""
     app.connect('doctree-read', _rewrite_changes_links)
+    app.connect('autodoc-process-bases', _literal_internal_bases)

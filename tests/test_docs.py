@@ -17,8 +17,8 @@ A recipe fails the test when it raises, and recipes assert what the prose
 around them claims (e.g. that parameters match the large-batch net). Error
 tracebacks point at the line in the ``.rst`` file.
 
-The Sphinx build is the one ``docs/conf.py`` describes: offline, with
-warnings as errors.
+The Sphinx build is the one ``docs/conf.py`` describes: offline, nitpicky,
+with warnings as errors.
 """
 
 import doctest
@@ -280,7 +280,7 @@ def test_docs_build_offline_without_warnings(tmp_path, monkeypatch):
     monkeypatch.delenv('SKORCH_GRADACC_INTERSPHINX', raising=False)
     warning_file = tmp_path / 'warnings.txt'
     status = build_main([
-        '-W', '--keep-going', '-q', '-b', 'html',
+        '-W', '-n', '--keep-going', '-q', '-b', 'html',
         '-d', str(tmp_path / 'doctrees'), '-w', str(warning_file),
         str(DOCS), str(tmp_path / 'html'),
     ])
@@ -297,6 +297,28 @@ def test_docs_build_offline_without_warnings(tmp_path, monkeypatch):
         if name != '__version__':
             assert 'skorch_gradacc.' + name in api, name
     assert 'track_activation_memory' in api
+
+
+def test_docs_build_is_nitpicky_about_this_package_only(monkeypatch):
+    """Every reference must resolve; only other projects' names, which
+    intersphinx links when it is on, may stay unresolved offline."""
+    import runpy
+
+    monkeypatch.setattr(sys, 'path', list(sys.path))  # conf.py inserts one
+    conf = runpy.run_path(str(DOCS / 'conf.py'))
+    assert conf['nitpicky'] is True
+    assert not conf.get('nitpick_ignore')
+    patterns = conf['nitpick_ignore_regex']
+    for reftype, target in [('py:class', 'torch.nn.Module'),
+                            ('py:func', 'copy.deepcopy'),
+                            ('py:class', 'skorch.NeuralNet'),
+                            ('py:class', 'sklearn.pipeline.Pipeline')]:
+        assert any(re.fullmatch(kind, reftype) and re.fullmatch(name, target)
+                   for kind, name in patterns), target
+    for target in ('skorch_gradacc.engine.DDPEngine', 'DDPEngine',
+                   'ItemCounts', 'plan_memory', 'PLAN_MARGIN'):
+        assert not any(re.fullmatch(name, target)
+                       for _, name in patterns), target
 
 
 def test_api_names_every_parameter_of_every_net():
@@ -324,6 +346,59 @@ def test_api_names_every_parameter_of_every_net():
                     'GradAccNeuralNetRegressor'):
             cls = getattr(skorch_gradacc, net)
             assert name in inspect.signature(cls).parameters, (net, name)
+
+
+def resume_recipe():
+    """The FAQ's resume recipe: its definitions, and the rest."""
+    [blocks] = [blocks for path, section, blocks in RECIPES
+                if path.name == 'faq.rst' and section.startswith(
+                    'How do I resume a fit')]
+    source = ''.join(block.source for block in blocks)
+    end = source.index("uninterrupted = train(")
+    return source[:end], source[end:]
+
+
+def test_resume_recipe_shuffles_drops_out_and_compares():
+    # the FAQ's resume recipe (run by test_recipe_runs) resumes a fit that
+    # shuffles and drops out, and asserts it equals the uninterrupted fit
+    definitions, calls = resume_recipe()
+    assert 'iterator_train__shuffle=True' in definitions
+    assert 'make_classifier(' in definitions  # dropout=0.5 by default
+    assert "train('resumed', max_epochs=2)" in calls
+    assert 'max_diff(resumed, uninterrupted) == 0' in calls
+
+
+@pytest.mark.slow
+def test_resume_recipe_needs_no_random_state_under_ddp(isolated):
+    """scaling_out.rst: the FAQ's resume script, with a DDP net and skorch's
+    plain Checkpoint, resumes exactly: each rank saves its random state."""
+    import torch.distributed as dist
+    from skorch.callbacks import Checkpoint
+
+    from skorch_gradacc import (
+        DistributedGradAccMixin,
+        GradAccNeuralNetClassifier,
+    )
+
+    class DDPNet(DistributedGradAccMixin, GradAccNeuralNetClassifier):
+        pass
+
+    definitions, _ = resume_recipe()
+    recipe = {}
+    exec(compile(definitions, 'faq.rst', 'exec'), recipe)
+    recipe['GradAccNeuralNetClassifier'] = DDPNet  # the net train() builds
+    train, max_diff = recipe['train'], recipe['max_diff']
+    dist.init_process_group('gloo', init_method=(isolated / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        uninterrupted = train('uninterrupted', checkpoint=Checkpoint)
+        train('resumed', max_epochs=2, checkpoint=Checkpoint)
+        assert (isolated / 'resumed' / 'params_random_state_rank0.pt').exists()
+        resumed = train('resumed', checkpoint=Checkpoint)
+    finally:
+        dist.destroy_process_group()
+    assert len(resumed.history) == 4
+    assert max_diff(resumed, uninterrupted) <= 1e-10
 
 
 def test_allreduces_per_step_are_as_documented(tmp_path, monkeypatch):
