@@ -11,7 +11,7 @@ import torch
 from benchmarks.harness import fresh_process, interleave, summary, train_peak_kib
 from benchmarks.workloads import AccumGradLoop, HandLoop, make_net, make_workload
 from skorch_gradacc.demo import max_param_diff
-from skorch_gradacc.memory import track_activation_memory
+from skorch_gradacc.meters import track_activation_memory
 
 CONTENDERS = {
     'plain_B': 'skorch `NeuralNetClassifier(batch_size=B)`',

@@ -51,7 +51,7 @@ def run_quick_suite():
 
 def run_memory_plan_quick():
     """``python -m benchmarks.memory_plan --quick``, as :func:`run_quick_suite`
-    (its fork server imports transformers once, not once per fit)."""
+    (each of its fits in a fresh process of its own)."""
     folder = background_folder('memory_plan')
     return python_m('benchmarks.memory_plan', '--quick', '--out',
                     str(folder)), folder
@@ -304,36 +304,40 @@ def test_committed_tables_are_what_the_code_renders():
 
 def quoted_memory_plan():
     """The fragments of docs/benchmarks.rst that quote memory_plan.json."""
-    from benchmarks.memory_plan import MiB
     plan = json.loads((RESULTS / 'memory_plan.json').read_text())
     assert not plan['quick'] and not plan['meta']['skorch_gradacc']['modified']
-    fits = [fit for entry in plan['workloads'].values()
-            for fit in entry['budgets'].values()]
-    target = plan['target']
+    rows = [row for entry in plan['workloads'].values()
+            for row in entry['budgets'].values()]
+    fits = [fit for row in rows for fit in row['fits']]
+    capped = [row['rlimit_as'] for row in rows if row['rlimit_as']]
 
-    def values(key):  # a fit that failed has no steps
-        return [fit[key] for fit in fits if fit[key]]
+    def every(key):  # a fit that failed has no ratios
+        return [value for row in rows for value in row[key]]
 
     return [
         "``memory_plan.json`` (commit ``{}``".format(plan['meta']['git_commit']),
-        '{} workloads, {} fits'.format(len(plan['workloads']), len(fits)),
-        'predicted peak was {} of the measured one'.format(_span(
-            values('predicted_vs_measured'), '{:.2f}x')),
-        'the planned micro-batch {} of the largest'.format(_span(
-            values('chosen_vs_largest'), '{:.2f}x')),
-        'planning took {} training steps'.format(_span(
-            values('plan_steps'), '{:.2f}')),
-        '{} of the {} fits backed off or failed'.format(
-            sum(bool(fit['backoffs'] or fit['error']) for fit in fits), len(fits)),
-        'a {} MiB cap, plain skorch at {} rows {}'.format(
-            target['budget_mib'], target['batch_size'],
-            'fails' if target['plain_error'] else 'trains'),
-        "``'auto'`` {} (back-offs: {}) and ends {:.1e} from".format(
-            'fails' if target['auto']['error'] else 'trains',
-            len(target['auto']['backoffs']), target['max_param_diff']),
-        'a plan of {} rows'.format(target['auto']['plan']['micro_batch_size']),
-        'predicting {:.1f} MiB'.format(
-            target['auto']['plan']['predicted_peak'] / MiB),
+        '{} workloads, {} budgets, {} fits'.format(
+            len(plan['workloads']), len(rows), len(fits)),
+        'peaks measured by {}'.format(plan['meta']['method']),
+        'the measured peak was {} of the budget'.format(_span(
+            every('measured_vs_budget'), '{:.2f}x')),
+        '{} of the {} fits failed, {} were killed'.format(
+            sum(bool(fit['error']) for fit in fits), len(fits),
+            sum(fit['killed'] for fit in fits)),
+        'the predicted peak was {} of the measured one'.format(_span(
+            every('predicted_vs_measured'), '{:.2f}x')),
+        'the same size in all {} repeats for {} of the {} budgets'.format(
+            plan['repeats'], sum(len(set(row['chosen'])) == 1 for row in rows),
+            len(rows)),
+        'the planned pieces were {} of the largest fixed size'.format(_span(
+            every('chosen_vs_largest'), '{:.2f}x')),
+        'planning took {} optimizer steps'.format(_span(
+            every('plan_steps'), '{:.2f}')),
+        'under ``RLIMIT_AS``, {} of {} workloads trained ({} back-offs), within '
+        '{} of plain skorch'.format(
+            sum(not fit['error'] for fit in capped), len(capped),
+            sum(len(fit['backoffs']) for fit in capped),
+            _span([max(fit.get('max_param_diff', 0) for fit in capped)], '{:.1e}')),
         'the memory plans in about {:.0f} minutes'.format(plan['seconds'] / 60),
     ]
 
@@ -369,25 +373,46 @@ def test_memory_plan_quick_run():
     proc, folder = background_result(run_memory_plan_quick)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from benchmarks import memory_plan
+    MiB = memory_plan.MiB
     results = json.loads((folder / 'memory_plan.json').read_text())
-    for name, (batch_size, _, budgets) in memory_plan.QUICK.items():
+    assert results['quick'] and results['repeats'] == memory_plan.REPEATS[True]
+    assert results['meta']['method'] in ('cgroup', 'sampler')
+    assert list(results['workloads']) == list(memory_plan.QUICK)
+    keys = {'budget', 'method', 'max_cost', 'cost', 'micro_batch_size',
+            'measured_peak', 'predicted_peak', 'plan_seconds', 'passes'}
+    for name, (batch_size, batches, budgets) in memory_plan.QUICK.items():
         entry = results['workloads'][name]
+        assert (entry['batch_size'], entry['batches']) == (batch_size, batches)
         assert list(entry['budgets']) == [str(budget) for budget in budgets]
-        for budget, fit in entry['budgets'].items():
-            plan = fit['plan']
-            # the budget given, or what the cap leaves after the passes
-            assert 0 < plan['budget'] <= int(budget) * 2 ** 20
-            assert 1 <= plan['micro_batch_size'] <= batch_size
-            assert plan['predicted_peak'] > 0 and plan['plan_seconds'] > 0
-            # the plan's line at the largest piece that trained
-            assert fit['largest_piece_cost'] > 0
-            assert fit['predicted_peak'] == int(
-                plan['fixed'] + plan['slope'] * fit['largest_piece_cost'])
-            assert fit['peak_mib'] > 0 and fit['probes']
-            for error in fit['probes'].values():  # fits or fails for memory
-                assert error is None or "can't allocate memory" in error
-    # the cap holds: plain skorch at the large batch fails under it
-    assert "can't allocate memory" in results['target']['plain_error']
+        for budget, row in entry['budgets'].items():
+            budget = int(budget)
+            assert len(row['fits']) == results['repeats']
+            for fit in row['fits']:  # trained, within the budget, planned
+                assert fit['error'] is None and not fit['killed'], fit['error']
+                assert 0 < fit['peak'] <= budget * MiB
+                assert fit['method'] == results['meta']['method']
+                plan = fit['plan']
+                assert keys <= set(plan) and plan['budget'] == budget * MiB
+                assert 1 <= plan['micro_batch_size'] <= batch_size
+                assert plan['predicted_peak'] > 0 and plan['plan_seconds'] > 0
+                assert plan['measured_peak'] > 0 and plan['passes']
+                assert fit['step_seconds'] > 0 and fit['backoffs'] == []
+            assert row['chosen'] == [fit['plan']['micro_batch_size']
+                                     for fit in row['fits']]
+            # the bisection: the largest fixed size fits, the next one probed not
+            assert 1 <= row['largest'] <= batch_size
+            probes = {int(n): peak for n, peak in row['probes'].items()}
+            assert probes[row['largest']] <= budget * MiB
+            over = row['smallest_over'] and probes[row['smallest_over']]
+            assert over is None or over > budget * MiB
+            for key in ('measured_vs_budget', 'predicted_vs_measured',
+                        'chosen_vs_largest', 'plan_steps'):
+                assert len(row[key]) == len(row['fits']), key
+            # one budget each: its middle one, under RLIMIT_AS, against plain skorch
+            capped = row['rlimit_as']
+            assert capped['error'] is None and not capped['killed']
+            assert 0 <= capped['max_param_diff'] < 1e-3  # float32
+    assert results['targets'] == memory_plan.targets(results)
     assert (folder / 'memory_plan.md').read_text() == memory_plan.markdown(results)
     assert (folder / 'memory_plan.csv').read_text().splitlines() == [
         ','.join(map(str, row)) for row in memory_plan.tables(results)['memory_plan']]
