@@ -219,16 +219,24 @@ def _span(values, fmt='{:.2f}'):
     return fmt.format(low) if low == high else (fmt + ' to ' + fmt).format(low, high)
 
 
+def pieces(batch_size, size):
+    """The passes a batch takes in pieces of at most ``size`` rows (None: 1)."""
+    return -(-batch_size // (size or batch_size))
+
+
 def tables(results):
     """The CSV table (rows, the header first) of the saved results."""
     return {'memory_plan': [[
         'workload', 'B', 'budget (MiB)', 'chosen', 'max measured / budget',
         'predicted / measured', 'largest fixed within budget', 'chosen / largest',
-        'planning (steps)', 'back-offs', 'killed', 'under RLIMIT_AS']] + [[
+        'pieces per batch: largest fixed; chosen', 'planning (steps)', 'back-offs', 'killed', 'under RLIMIT_AS']] + [[
         name, entry['batch_size'], budget, '/'.join(map(str, row['chosen'])),
         _span(row['measured_vs_budget'] and [max(row['measured_vs_budget'])]),
         _span(row['predicted_vs_measured']), row['largest'],
-        _span(row['chosen_vs_largest']), _span(row['plan_steps']),
+        _span(row['chosen_vs_largest']), '{}; {}'.format(
+            pieces(entry['batch_size'], row['largest']), '/'.join(
+                str(pieces(entry['batch_size'], size)) for size in row['chosen'])),
+        _span(row['plan_steps']),
         sum(len(fit['backoffs']) for fit in row['fits']),
         sum(fit['killed'] for fit in row['fits']), '-' if not row['rlimit_as'] else
         '{}; {} back-offs; {:.1e}'.format(
