@@ -229,7 +229,8 @@ def tables(results):
     return {'memory_plan': [[
         'workload', 'B', 'budget (MiB)', 'chosen', 'max measured / budget',
         'predicted / measured', 'largest fixed within budget', 'chosen / largest',
-        'pieces per batch: largest fixed; chosen', 'planning (steps)', 'back-offs', 'killed', 'under RLIMIT_AS']] + [[
+        'pieces per batch: largest fixed; chosen', 'planning (steps)', 'back-offs',
+        'killed', 'under RLIMIT_AS']] + [[
         name, entry['batch_size'], budget, '/'.join(map(str, row['chosen'])),
         _span(row['measured_vs_budget'] and [max(row['measured_vs_budget'])]),
         _span(row['predicted_vs_measured']), row['largest'],
