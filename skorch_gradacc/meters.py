@@ -128,8 +128,8 @@ def fix_malloc_threshold():
     as with ``MALLOC_MMAP_THRESHOLD_=131072``. A fit with
     ``micro_batch_size='auto'`` on the CPU calls it. Nothing is changed
     where the process set the thresholds itself (``MALLOC_MMAP_THRESHOLD_``,
-    ``MALLOC_TRIM_THRESHOLD_`` or their ``GLIBC_TUNABLES``) or where malloc
-    is not glibc's.
+    ``MALLOC_TRIM_THRESHOLD_`` or their ``GLIBC_TUNABLES``, as it started)
+    or where malloc is not glibc's.
 
     Examples
     --------
@@ -137,12 +137,28 @@ def fix_malloc_threshold():
     True
 
     """
-    tunables = os.environ.get('GLIBC_TUNABLES', '')
-    if _LIBC is None or 'MALLOC_MMAP_THRESHOLD_' in os.environ or (
-            'MALLOC_TRIM_THRESHOLD_' in os.environ) or 'threshold' in tunables:
+    environ = _startup_environ()
+    if _LIBC is None or 'MALLOC_MMAP_THRESHOLD_' in environ or (
+            'MALLOC_TRIM_THRESHOLD_' in environ) or 'threshold' in environ.get(
+                'GLIBC_TUNABLES', ''):
         return False
     return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MALLOC_THRESHOLD)
                 and _LIBC.mallopt(_M_TRIM_THRESHOLD, MALLOC_THRESHOLD))
+
+
+def _startup_environ():
+    """Return the environment the process started with, which malloc read.
+
+    Not ``os.environ``: what a library sets there later (Dask's Nanny sets
+    ``MALLOC_TRIM_THRESHOLD_`` before it starts a worker) changes nothing
+    for this process's malloc.
+    """
+    try:
+        with open('/proc/self/environ', 'rb') as environ:
+            items = environ.read().decode(errors='replace').split('\0')
+    except OSError:
+        return os.environ
+    return dict(item.partition('=')[::2] for item in items if item)
 
 
 class MemoryMeter:

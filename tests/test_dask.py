@@ -34,6 +34,10 @@ SCORING = {'accuracy': 'accuracy', 'nll': 'neg_log_loss'}
 
 @pytest.fixture(scope='module')
 def client(tmp_path_factory):
+    # Dask's Nanny writes its workers' settings (MALLOC_TRIM_THRESHOLD_,
+    # OMP_NUM_THREADS, ...) into this process's os.environ for good: the
+    # tests after these get the environment back
+    environ = dict(os.environ)
     with distributed.LocalCluster(
             n_workers=2, processes=True, threads_per_worker=1,
             host='127.0.0.1', dashboard_address=None,
@@ -44,6 +48,8 @@ def client(tmp_path_factory):
         # imported there now (an import error fails here, not in a search)
         client.upload_file(str(HELPERS))
         yield client
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(scope='module', autouse=True)
