@@ -2,15 +2,14 @@
 
     python -m benchmarks.memory_plan --out benchmark_results   # --quick: smoke
 
-Six workloads, three budgets, three repeats; each fit in a fresh process with the
-environment users have (no ``MALLOC_*``, ``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``)
-that has trained before: a small fit first (torch's optimizer machinery, ~64 MiB,
-imported, kernels paged in). Peaks from outside the package, which resets
-``VmHWM``: a memory cgroup (v1) per process, its peak reset right before ``fit``
-after ``malloc_trim``, less the usage then (no cgroups: ``RssAnon`` each ms);
-``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes,
-bisected (to 10%) for the largest within the budget, run uncapped after
-``fix_malloc_threshold()`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``.
+Six workloads, three budgets, three repeats, each fit in a fresh process with users'
+environment (no ``MALLOC_*``, ``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``) after a small
+warm-up fit (torch's optimizer machinery, ~64 MiB). Peaks from outside the package,
+which resets ``VmHWM``: a memory cgroup (v1) per process, its peak reset before
+``fit`` after ``malloc_trim``, less the usage then (no cgroups: ``RssAnon`` each ms);
+``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes, bisected
+(to 10%) for the largest within the budget, run uncapped after ``fix_malloc_threshold``
+as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``.
 """
 
 import ctypes
@@ -38,8 +37,7 @@ from benchmarks.workloads import cnn, mlp
 from skorch_gradacc.memory import fix_malloc_threshold
 
 MiB = 2 ** 20
-#: name: (batch_size, batches, budgets in MiB): tight ~2x what one row needs (the
-#: least budget in the ValueError), >= 32 MiB; large ~ a fixed batch_size's peak
+#: name: (B, batches, budgets in MiB): tight ~2x one row's need, >= 32; large ~ B's peak
 WORKLOADS = {'mlp': (2048, 2, (32, 40, 48)), 'cnn': (256, 2, (32, 64, 128)),
              'token_lm': (64, 2, (32, 64, 128)), 'gru': (128, 2, (32, 64, 96)),
              'classes': (1024, 2, (64, 96, 144)), 'regressor': (8192, 2, (32, 48, 72))}
@@ -210,6 +208,7 @@ def measure(name, budget, quick):
                                       for fit, plan in plans if fit['peak']],
             'chosen_vs_largest': [plan['micro_batch_size'] / largest
                                   for _, plan in plans if largest],
+            'pieces': [-(-batch_size // (n or batch_size)) for n in [largest] + chosen],
             'plan_steps': [plan['plan_seconds'] / fit['step_seconds']
                            for fit, plan in plans if fit['step_seconds']]}
 
@@ -217,11 +216,6 @@ def measure(name, budget, quick):
 def _span(values, fmt='{:.2f}'):
     low, high = (min(values), max(values)) if values else (float('nan'),) * 2
     return fmt.format(low) if low == high else (fmt + ' to ' + fmt).format(low, high)
-
-
-def pieces(batch_size, size):
-    """The passes a batch takes in pieces of at most ``size`` rows (None: 1)."""
-    return -(-batch_size // (size or batch_size))
 
 
 def tables(results):
@@ -234,15 +228,12 @@ def tables(results):
         name, entry['batch_size'], budget, '/'.join(map(str, row['chosen'])),
         _span(row['measured_vs_budget'] and [max(row['measured_vs_budget'])]),
         _span(row['predicted_vs_measured']), row['largest'],
-        _span(row['chosen_vs_largest']), '{}; {}'.format(
-            pieces(entry['batch_size'], row['largest']), '/'.join(
-                str(pieces(entry['batch_size'], size)) for size in row['chosen'])),
-        _span(row['plan_steps']),
+        _span(row['chosen_vs_largest']), '{}; {}'.format(row['pieces'][0], '/'.join(
+            map(str, row['pieces'][1:]))), _span(row['plan_steps']),
         sum(len(fit['backoffs']) for fit in row['fits']),
-        sum(fit['killed'] for fit in row['fits']), '-' if not row['rlimit_as'] else
-        '{}; {} back-offs; {:.1e}'.format(
-            'failed' if row['rlimit_as']['error'] else 'trained', len(row['rlimit_as'][
-                'backoffs']), row['rlimit_as'].get('max_param_diff', float('nan')))]
+        sum(fit['killed'] for fit in row['fits']), (cap := row['rlimit_as']) and (
+            '{}; {} back-offs; {:.1e}'.format(('trained', 'failed')[bool(cap['error'])],
+                len(cap['backoffs']), cap.get('max_param_diff', float('nan')))) or '-']
         for name, entry in results['workloads'].items()
         for budget, row in entry['budgets'].items()]}
 

@@ -304,15 +304,12 @@ def test_committed_tables_are_what_the_code_renders():
 
 def quoted_memory_plan():
     """The fragments of docs/benchmarks.rst that quote memory_plan.json."""
-    from benchmarks import memory_plan
     plan = json.loads((RESULTS / 'memory_plan.json').read_text())
     assert not plan['quick'] and not plan['meta']['skorch_gradacc']['modified']
     rows = [row for entry in plan['workloads'].values()
             for row in entry['budgets'].values()]
     fits = [fit for row in rows for fit in row['fits']]
     capped = [row['rlimit_as'] for row in rows if row['rlimit_as']]
-    sized = [(entry['batch_size'], row) for entry in plan['workloads'].values()
-             for row in entry['budgets'].values()]
 
     def every(key):  # a fit that failed has no ratios
         return [value for row in rows for value in row[key]]
@@ -335,9 +332,8 @@ def quoted_memory_plan():
         'the planned pieces were {} of the largest fixed size'.format(_span(
             every('chosen_vs_largest'), '{:.2f}x')),
         'as few as the largest fixed size in {} of the {} budgets'.format(
-            sum(memory_plan.pieces(B, row['largest']) >= max(
-                memory_plan.pieces(B, size) for size in row['chosen'])
-                for B, row in sized), len(rows)),
+            sum(row['pieces'][0] >= max(row['pieces'][1:]) for row in rows),
+            len(rows)),
         'planning took {} optimizer steps'.format(_span(
             every('plan_steps'), '{:.2f}')),
         'under ``RLIMIT_AS``, {} of {} workloads trained ({} back-offs), within '
