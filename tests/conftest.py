@@ -353,6 +353,72 @@ def _background_tasks(item):
             for task in mark.args]
 
 
+# The tests that measure this process's resident memory (a fit's plan and
+# its peak against a budget, marked ``own_process``) run together in a fresh
+# pytest process, started at the first of them: here, the background tasks'
+# threads allocate and free beside them, and the process holds what every
+# earlier test left, none of which a user's fit has. In that process, the
+# variable names the file of the results that this one reports.
+OWN_PROCESS = 'SKORCH_GRADACC_OWN_PROCESS'
+_OWN_PROCESS_RESULTS = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker('own_process') is None or os.environ.get(
+            OWN_PROCESS):
+        return None
+    if not _OWN_PROCESS_RESULTS:
+        _OWN_PROCESS_RESULTS.update(_run_in_own_process(pyfuncitem.session))
+    outcome, text = _OWN_PROCESS_RESULTS.get(
+        pyfuncitem.nodeid, ('failed', 'the process of its own did not run it'))
+    if outcome == 'skipped':
+        pytest.skip(text)
+    if outcome != 'passed':
+        pytest.fail('in a process of its own:\n' + text, pytrace=False)
+    return True
+
+
+def _run_in_own_process(session):
+    """Each ``own_process`` test's outcome and report, from one new process."""
+    nodeids = [item.nodeid for item in session.items
+               if item.get_closest_marker('own_process')]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / 'results.json'
+        proc = subprocess.run(
+            [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+             *nodeids], cwd=session.config.rootpath, capture_output=True,
+            text=True, env=dict(os.environ, **{OWN_PROCESS: str(path)}),
+            timeout=900)
+        if path.exists():
+            return json.loads(path.read_text())
+    return dict.fromkeys(nodeids, ('failed', proc.stdout[-6000:] + proc.stderr))
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(OWN_PROCESS)
+    if path and (report.when == 'call' or report.outcome != 'passed'):
+        results = json.loads(Path(path).read_text()) if Path(
+            path).exists() else {}
+        if results.get(report.nodeid, ('passed',))[0] == 'passed':
+            results[report.nodeid] = (report.outcome, report.longreprtext)
+        Path(path).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope='session', autouse=True)
+def trained_once():
+    """In the process of their own, a fit before the tests: what the first
+    fit of a process adds once (torch's optimizers import its compiler)."""
+    if os.environ.get(OWN_PROCESS):
+        X, y = classification_data()
+        for optimizer in (torch.optim.SGD, torch.optim.Adam):
+            GradAccNeuralNetClassifier(
+                MLPClassifier, optimizer=optimizer, batch_size=16,
+                micro_batch_size='auto', max_epochs=1, train_split=None,
+                verbose=0).fit(X[:32], y[:32])
+    yield
+
+
 # FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
 # import): below it, the modules that import it are not collected, so that
 # the quick suite runs at the floors (requirements/floor.txt). Asked only by
@@ -383,6 +449,9 @@ def pytest_configure(config):
         'markers', 'background(*tasks): the test reads the results of tasks '
         'that run in the background from the end of the collection '
         '(conftest.py); it runs after the tests without the mark')
+    config.addinivalue_line(
+        'markers', 'own_process: the test runs in a fresh pytest process, '
+        'with the others of the mark (conftest.py)')
     if not has_fsdp2():
         collect_ignore.extend(NEEDS_FSDP2)
         # the package's module, collected for its doctests, is outside
