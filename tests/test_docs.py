@@ -184,9 +184,12 @@ def isolated(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    'path, section, blocks', RECIPES,
-    ids=['{}::{}'.format(path.name, section) for path, section, _ in RECIPES])
+@pytest.mark.parametrize('path, section, blocks', [
+    # the memory page measures its fits' peaks: in a process of its own
+    pytest.param(path, section, blocks, id='{}::{}'.format(path.name, section),
+                 marks=[pytest.mark.own_process] * (
+                     path.name == 'memory_and_robustness.rst'))
+    for path, section, blocks in RECIPES])
 def test_recipe_runs(path, section, blocks, isolated):
     for name in required_packages(path):
         pytest.importorskip(name)

@@ -92,7 +92,10 @@ class Jobs:
              *[str(SKORCH_TESTS / path) for path in paths],
              '-p', 'no:cacheprovider', '-p', 'no:xdist', '-W',
              'ignore::pytest.PytestRemovedIn10Warning'],
-            cwd=self.folder, env=env, stdout=out, stderr=subprocess.STDOUT,
+            # a folder each: skorch's tests write checkpoints to the
+            # working directory, and two jobs run at once
+            cwd=tempfile.mkdtemp(dir=self.folder), env=env, stdout=out,
+            stderr=subprocess.STDOUT,
             text=True, preexec_fn=_lower_priority)
         self.running.append((mode, paths, proc, out, time.monotonic()))
 
