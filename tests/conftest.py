@@ -353,6 +353,30 @@ def _background_tasks(item):
             for task in mark.args]
 
 
+def assert_ranks_backed_off_alike(ranks, rows, max_rows, planned):
+    """Data-parallel ranks (the torchrun tests' results) planned whole
+    micro-batches of ``planned`` rows, then backed off in one batch's row
+    (``rows``: each rank's rows that recorded a back-off, the sizes last),
+    the same on every rank: first to half (rounded up) the least piece that
+    failed on any rank, then each size half the one before, to the same
+    size, which every rank's module takes. Returns the sizes backed off to."""
+    assert rows[0] == rows[1]
+    assert len(rows[0]) == 1, rows[0]  # one batch's row, and no other
+    sizes = rows[0][0][-1]
+    for rank in ranks:
+        # budget None: the plan takes whole micro-batches, which fail
+        # later (the plan was wrong)
+        assert rank['memory_plan_']['micro_batch_size'] == planned
+    # the pieces that failed first, on the ranks that failed
+    failed = [rank['failed_rows'][0] for rank in ranks if rank['failed_rows']]
+    tried = [min(failed)] + sizes
+    assert all(size == (before + 1) // 2
+               for before, size in zip(tried, tried[1:])), tried
+    assert [rank['micro_batch_size_'] for rank in ranks] == [sizes[-1]] * 2
+    assert sizes[-1] <= min(max_rows)
+    return sizes
+
+
 # The tests that measure this process's resident memory (a fit's plan and
 # its peak against a budget, marked ``own_process``) run together in a fresh
 # pytest process, started at the first of them: here, the background tasks'

@@ -37,7 +37,12 @@ from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
 
-from conftest import PARAM_ATOL, MLPClassifier, classification_data
+from conftest import (
+    PARAM_ATOL,
+    MLPClassifier,
+    assert_ranks_backed_off_alike,
+    classification_data,
+)
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
 LATE_RELEASE = Path(__file__).parent / 'torchrun_scripts' / 'late_release.py'
@@ -125,27 +130,12 @@ def backoff_rows(rank):
 
 
 def assert_backed_off_alike(ranks, max_rows):
-    """The ranks planned whole micro-batches of 8 rows, then backed off in
-    one batch's row, the same on every rank: first to half (rounded up) the
-    least piece that failed on any rank, then each size half the one
-    before, to the same size, which every rank's module takes. Returns the
-    sizes backed off to."""
-    rows = [backoff_rows(rank) for rank in ranks]
-    assert rows[0] == rows[1]
-    assert len(rows[0]) == 1, rows[0]  # one batch's row, and no other
-    sizes = rows[0][0][2]
+    """conftest's, on DDP's ranks: each epoch's size ends at the one backed
+    off to."""
+    sizes = assert_ranks_backed_off_alike(
+        ranks, [backoff_rows(rank) for rank in ranks], max_rows, BATCH_SIZE)
     for rank in ranks:
-        # budget None: the plan takes whole micro-batches, which fail
-        # later (the plan was wrong)
-        assert rank['memory_plan_']['micro_batch_size'] == BATCH_SIZE
         assert rank['epoch_micro_batch_size'][-1] == rank['micro_batch_size_']
-    # the pieces that failed first, on the ranks that failed
-    failed = [rank['failed_rows'][0] for rank in ranks if rank['failed_rows']]
-    tried = [min(failed)] + sizes
-    assert all(size == (before + 1) // 2
-               for before, size in zip(tried, tried[1:])), tried
-    assert [rank['micro_batch_size_'] for rank in ranks] == [sizes[-1]] * 2
-    assert sizes[-1] <= min(max_rows)
     return sizes
 
 

@@ -29,7 +29,12 @@ from skorch_gradacc import (
 )
 from skorch_gradacc.fully_sharded import modules_to_shard
 
-from conftest import DTYPE, PARAM_ATOL, classification_data
+from conftest import (
+    DTYPE,
+    PARAM_ATOL,
+    assert_ranks_backed_off_alike,
+    classification_data,
+)
 
 DISTRIBUTED = Path(__file__).parent / 'torchrun_scripts'
 sys.path.insert(0, str(DISTRIBUTED))
@@ -290,27 +295,9 @@ def backoff_rows(rank):
 
 
 def assert_backed_off_alike(ranks, max_rows):
-    """The ranks planned whole micro-batches of 8 rows, then backed off in
-    one batch's row, the same on every rank: first to half (rounded up) the
-    least piece that failed on any rank, then each size half the one
-    before, to the same size, which every rank's module takes. Returns the
-    sizes backed off to."""
-    rows = [backoff_rows(rank) for rank in ranks]
-    assert rows[0] == rows[1]
-    assert len(rows[0]) == 1, rows[0]  # one batch's row, and no other
-    sizes = rows[0][0][1]
-    for rank in ranks:
-        # budget None: the plan takes whole micro-batches, which fail
-        # later (the plan was wrong)
-        assert rank['memory_plan_']['micro_batch_size'] == BATCH_SIZE
-    # the pieces that failed first, on the ranks that failed
-    failed = [rank['failed_rows'][0] for rank in ranks if rank['failed_rows']]
-    tried = [min(failed)] + sizes
-    assert all(size == (before + 1) // 2
-               for before, size in zip(tried, tried[1:])), tried
-    assert [rank['micro_batch_size_'] for rank in ranks] == [sizes[-1]] * 2
-    assert sizes[-1] <= min(max_rows)
-    return sizes
+    """conftest's, on FSDP2's ranks."""
+    return assert_ranks_backed_off_alike(
+        ranks, [backoff_rows(rank) for rank in ranks], max_rows, BATCH_SIZE)
 
 
 @pytest.mark.slow  # torchrun
