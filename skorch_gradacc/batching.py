@@ -192,39 +192,24 @@ def rows_within(cost, per_row, rows):
     return max(1, min(rows, int(cost / per_row + 1e-9)))
 
 
-def even_piece_rows(rows, size):
-    """Return the rows of the first pieces of ``rows`` cut at most ``size``.
-
-    As many pieces as ``size`` takes, as even as can be: the same passes in
-    less memory.
-
-    Examples
-    --------
-    >>> even_piece_rows(128, 37)  # 4 pieces of 32, not 37, 37, 37 and 17
-    32
-
-    """
-    rows = max(rows, 1)  # a rank's empty share: one piece
-    return -(-rows // -(-rows // size))
-
-
 def planned_rows(rows, size):
     """Return the rows of the pieces a plan takes: of ``rows``, at most ``size``.
 
-    As many pieces as ``size`` takes, at least, from the counts 1, 2, 3, 4,
-    5, 6, 8, 10, 12, 16, 20, ... (at most 1.33 times the last: a
-    measurement's noise does not decide between the nearest two), as even
-    as can be. At least 1.
+    ``rows`` itself, or the largest of the sizes 1, 2, 3, 4, 5, 6, 8, 9,
+    11, 13, 16, 19, 22, 26, 32, ... (2 ** (j / 4), rounded down: each at
+    most 1.19 times the last) that is at most ``size``; at least 1. A grid,
+    not the size itself: a measurement's noise moves the size a plan finds,
+    but seldom across a step of the grid.
 
     Examples
     --------
-    >>> planned_rows(128, 37)  # 4 pieces of 32, not 37, 37, 37 and 17
-    32
-    >>> planned_rows(512, 200), planned_rows(512, 150)  # 3 pieces, then 4
-    (171, 128)
+    >>> planned_rows(128, 37), planned_rows(128, 200), planned_rows(1000, 700)
+    (32, 128, 608)
 
     """
-    return next(planned for planned in _planned_sizes(rows) if planned <= size)
+    if size >= rows:
+        return max(rows, 1)
+    return max(size for size in _planned_sizes(size))
 
 
 def planned_above(rows, size):
@@ -232,27 +217,22 @@ def planned_above(rows, size):
 
     Examples
     --------
-    >>> planned_above(512, 171), planned_above(512, 512)
-    (256, None)
+    >>> planned_above(512, 171), planned_above(512, 500)
+    (181, 512)
 
     """
-    above = None
-    for planned in _planned_sizes(rows):
-        if planned <= size:
-            return above
-        above = planned
-    return above
+    if size >= rows:
+        return None
+    return min(rows, next(step for step in _planned_sizes(4 * size + 4)
+                          if step > size))
 
 
-def _planned_sizes(rows):
-    """Yield the sizes of :func:`planned_rows`, from ``rows`` down to 1."""
-    count = 1
-    while True:
-        yield max(1, -(-rows // count))
-        if count >= rows:
-            return
-        step = 2 ** ((count // 4).bit_length() - 1)  # count: 4, 5 or 6 steps
-        count += 1 if count < 4 else 2 * step if count == 6 * step else step
+def _planned_sizes(most):
+    """Yield the sizes of the grid of :func:`planned_rows`, up to ``most``."""
+    exponent = 0
+    while int(2 ** (exponent / 4)) <= max(most, 1):
+        yield int(2 ** (exponent / 4))
+        exponent += 1
 
 
 def length_or_none(iterable):

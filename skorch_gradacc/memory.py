@@ -24,7 +24,6 @@ from skorch_gradacc.batching import (
     batch_cost,
     batch_len,
     cost_per_row,
-    even_piece_rows,
     is_positive_int,
     nbytes,
     planned_rows,
@@ -53,13 +52,11 @@ PLAN_MARGIN = 0.1
 # smallest budgets
 PLAN_MARGIN_BYTES = 2 ** 20
 
-# how much larger than the largest so far a pass of the plan may be: the
-# line through the last two passes is trusted that far
-PLAN_GROWTH = 8
-
-# the passes that verify the plan's line at most: one, and one more for
-# each that took more than the line said
-PLAN_VERIFIES = 3
+# the share of the first micro-batch's rows up to which the plan's passes
+# double: the line through the last two reaches the rest, at most twice as
+# far, and all the passes together cost about one step's forward and
+# backward
+PLAN_PASS_SHARE = 0.5
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
@@ -124,9 +121,8 @@ def fit_memory(net):
 def split_micro_batch(net, micro, group):
     """Return the pieces of ``micro`` that go through the module one by one.
 
-    With a plan, as few pieces as the most rows whose cost is at most its
-    ``max_cost`` (at least 1) take, as even as can be
-    (``even_piece_rows``); else
+    With a plan, pieces of the most rows whose cost is at most its
+    ``max_cost`` (at least 1); else
     :meth:`~skorch_gradacc.GradAccMixin.get_micro_batch_size` rows. Notes
     ``rows_in_flight``, ``piece_rows`` and ``cost_per_row`` on ``group``
     for a back-off.
@@ -137,8 +133,7 @@ def split_micro_batch(net, micro, group):
     if plan is None:
         size = net.get_micro_batch_size()
     else:
-        size = even_piece_rows(rows, rows_within(
-            plan['max_cost'], group.cost_per_row, rows))
+        size = rows_within(plan['max_cost'], group.cost_per_row, rows)
     group.piece_rows = rows if size is None else min(size, rows)
     return [micro] if group.piece_rows >= rows else split_batch(micro, size)
 
@@ -173,24 +168,21 @@ def plan_memory(net, group, buffers, **fit_params):
        optimizers' new state and temporaries;
     2. passes, forward and backward beside zero gradients (as a step's
        later pieces), on the first rows of the group's first micro-batch:
-       2 rows (1 if they take too much), twice that if it stays within the
-       budget in proportion, then up to ``PLAN_GROWTH`` times the largest
-       pass, half the rows that the line through the two largest lets
-       through (small passes can show half the slope), and no more than
-       fit in proportion to the largest pass;
-    3. passes that verify the line, at most ``PLAN_VERIFIES``, once within
-       twice the largest pass: the most rows the line and the proportion
-       let through, in pieces of
-       :func:`~skorch_gradacc.batching.planned_rows`.
+       2 rows (1 if they take too much), then twice the rows of the last,
+       up to ``PLAN_PASS_SHARE`` of them, while the line through the last
+       two (through the first one's start, in proportion, after one) says
+       the next fits.
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
-    the pieces of the largest pass whose peak fits the budget less the
-    :func:`margin`, the least over ranks, as a cost (``batch_cost``) for
-    other micro-batches; it goes to ``net.memory_plan_``: ``'budget'``,
-    ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
-    elements), ``'predicted_peak'`` and, after the fit, ``'measured_peak'``
-    (bytes), ``'plan_seconds'``, ``'passes'`` (each one's rows and peak)
+    the most rows whose peak, on the line through the two largest passes
+    that fit the budget less the :func:`margin`, fits it too, on the grid of
+    :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks, as
+    a cost (``batch_cost``) for other micro-batches; it goes to
+    ``net.memory_plan_``: ``'budget'``, ``'micro_batch_size'``,
+    ``'max_cost'`` (in ``'cost'``, rows or elements), ``'predicted_peak'``
+    and, after the fit, ``'measured_peak'`` (bytes), ``'plan_seconds'``,
+    ``'passes'`` (each one's rows and peak)
     and ``'method'``. A budget that one row does not fit raises a
     ValueError. The passes leave no gradient, buffer (``buffers``) or
     random state changed.
@@ -215,16 +207,14 @@ def plan_memory(net, group, buffers, **fit_params):
         state, step = first_step_memory(net, meter)
         _refuse_unless(net, engine, step + kept <= limit, budget, step + kept)
         step -= meter.held()  # what a step adds to what is held
-        passes, size, verifies = {}, min(2, rows), 0
+        passes, size = {}, min(2, rows)
         while size:
             passes[size] = _pass(net, engine, meter, first, size, **fit_params)
             if len(passes) == 1 and passes[size] and getattr(
                     net, '_keep_train_y_pred_', False):
                 kept += passes[size].out * rows * group.size  # the y_pred kept
             line = _line(passes, limit - state - kept, rows, meter.held())
-            size, verifies = _next_pass(passes, line, rows, budget, verifies)
-            size = engine.min_over_ranks(size)
-            verifies = -engine.min_over_ranks(-verifies)
+            size = engine.min_over_ranks(_next_pass(passes, line, rows))
         restore_buffers(buffers or ())
     smallest = passes[min(passes)]
     if smallest is None:
@@ -233,7 +223,7 @@ def plan_memory(net, group, buffers, **fit_params):
                    line.now(smallest) + state + kept)
     per_row = cost_per_row(first)
     max_cost = engine.min_over_ranks(math.ceil(
-        per_row * planned_rows(rows, line.good)))
+        per_row * planned_rows(rows, line.rows)))
     planned = planned_rows(rows, rows_within(max_cost, per_row, rows))
     net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
@@ -245,7 +235,7 @@ def plan_memory(net, group, buffers, **fit_params):
         'plan_seconds': time.perf_counter() - start,
         'passes': [(size, result and int(result.peak))
                    for size, result in passes.items()]}
-    meter.reset()
+    meter.reset(release=True)  # the fit starts without the passes' caches
 
 
 def margin(budget):
@@ -262,27 +252,18 @@ def margin(budget):
     return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
 
 
-def _next_pass(passes, line, rows, budget, verifies):
-    """Return the rows of the plan's next pass (0: none), and the verifies.
+def _next_pass(passes, line, rows):
+    """Return the rows of the plan's next pass, or 0: no more passes.
 
-    No pass is larger than the rows that fit in proportion (``line.safe``):
-    a pass near the budget would be the fit's peak, and over a container's
-    limit, its end.
+    Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows``,
+    where the line says they fit: a pass near the budget would be the
+    fit's peak, and over a container's limit, its end.
     """
-    last = passes[next(reversed(passes))]
     if not line.good:  # one row, before refusing
-        return (1 if min(passes) > 1 else 0), 0
-    if len(passes) == 1:  # twice the rows, if their pass fits in proportion
-        doubled = 2 * last.peak - last.start <= budget and 2 * line.good <= rows
-        return (2 * line.good if doubled else 0), 0
-    size = planned_rows(rows, min(line.rows, line.safe))
-    if size <= line.good or size in passes or verifies >= PLAN_VERIFIES:
-        return 0, verifies
-    if size <= 2 * line.good:  # close enough to verify the line
-        return size, verifies + 1
-    grown = planned_rows(rows, min(PLAN_GROWTH * line.good, line.rows // 2,
-                                   line.safe))
-    return (grown, verifies) if grown > line.good else (0, verifies)
+        return 1 if min(passes) > 1 else 0
+    last = max(passes)
+    size = min(2 * last, int(PLAN_PASS_SHARE * rows))
+    return size if last == line.good and last < size <= line.rows else 0
 
 
 class _Line(types.SimpleNamespace):
@@ -303,11 +284,11 @@ def _line(passes, room, rows, held):
     The line runs through the largest pass that fits, ``good`` (0: none),
     and the least that took more, else the largest that fits of at most
     half its rows, else through its start in proportion to its rows. Its
-    rows are at least ``good``, at most ``rows`` and below any pass that
-    failed or took more.
+    rows are at least ``good``, at most ``rows``, below any pass that took
+    more, and ``good`` where a pass failed.
     """
     line = _Line(rows=0, good=0, slope=0, rows_1=0, peak_1=0, room=room,
-                 held=held, safe=0)
+                 held=held)
     peaks = {size: result and line.now(result) for size, result in passes.items()}
     over = [size for size, peak in peaks.items() if peak is None or peak > room]
     fits = sorted(size for size in peaks if size not in over)
@@ -321,15 +302,11 @@ def _line(passes, room, rows, held):
         other[0] - good) if other else (passes[good].peak - passes[good].start)
         / good)
     fit = rows if slope == 0 else int(good + (room - peaks[good]) / slope)
+    if None in peaks.values():  # an allocation error: no line beyond good
+        fit = good
     ceiling = min(over + [rows + 1]) - 1
-    # in proportion to the rows, from the pass's start: more memory than
-    # the line gives, where a pass takes some whatever its rows
-    took = passes[good].peak - passes[good].start
-    safe = ceiling if took <= 0 else int(good * (room - (
-        peaks[good] - took)) / took)
     line.__dict__.update(rows=max(good, min(fit, ceiling)), good=good,
-                         slope=slope, rows_1=good, peak_1=peaks[good],
-                         safe=max(good, min(safe, ceiling)))
+                         slope=slope, rows_1=good, peak_1=peaks[good])
     return line
 
 
@@ -382,7 +359,7 @@ def _pass(net, engine, meter, first, rows, **fit_params):
         with engine.plan_context(), net.autocast():
             return net.train_step_single(piece, **fit_params)
 
-    meter.reset()
+    meter.reset(release=True)  # not what an earlier pass left cached
     start, result = meter.held() + extra, None
     try:
         step = run(piece)

@@ -113,6 +113,21 @@ def _load_libc():
 
 
 _LIBC = _load_libc()
+
+
+def _load_mkl_free_buffers():
+    """Return MKL's ``mkl_free_buffers``, where torch links MKL in, or None.
+
+    torch links MKL statically and exports it by its service name.
+    """
+    path = os.path.join(os.path.dirname(torch.__file__), 'lib', 'libtorch_cpu.so')
+    try:
+        return ctypes.CDLL(path).mkl_serv_free_buffers
+    except (OSError, AttributeError):
+        return None
+
+
+_MKL_FREE_BUFFERS = _load_mkl_free_buffers()
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's options
 
 
@@ -223,11 +238,16 @@ class MemoryMeter:
     def reset(self, release=False):
         """Start a new window: its peak is what is held now.
 
-        With ``release``, malloc first gives the OS the memory it holds
-        free (``malloc_trim``), which passes measured next would reuse
-        unseen.
+        With ``release``, first what the process holds free goes back:
+        MKL's buffers kept for reuse (``mkl_free_buffers``; it keeps some
+        for each size of matrix product, so passes at many sizes would
+        leave a fit holding tens of MiB for sizes it never runs), then
+        malloc's free memory (``malloc_trim``), which passes measured next
+        would reuse unseen.
         """
         self._highest = self.highest()
+        if release and _MKL_FREE_BUFFERS is not None and self.device.type == 'cpu':
+            _MKL_FREE_BUFFERS()
         if release and _LIBC is not None:
             _LIBC.malloc_trim(0)
         self._start_window()

@@ -22,7 +22,7 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 
 from skorch_gradacc import GradAccNeuralNetClassifier
-from skorch_gradacc.batching import planned_rows
+from skorch_gradacc.batching import planned_above, planned_rows
 from skorch_gradacc.memory import (
     CPP_ALLOCATION_ERROR,
     CPU_ALLOCATOR_ERROR,
@@ -82,24 +82,26 @@ class TestBudget:
 
 
 class TestPlannedRows:
-    def test_piece_counts_at_most_a_third_apart(self):
-        # 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, ... pieces
-        counts = sorted({-(-4096 // planned_rows(4096, size))
-                         for size in range(1, 4097)})
-        assert counts[:13] == [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32]
-        # in 4 pieces or more, the next size planned is at most a third more
+    def test_a_grid_at_most_a_fifth_apart(self):
+        # 1, 2, 3, 4, 5, 6, 8, 9, 11, 13, 16, ...: 2 ** (j / 4), rounded down
         sizes = sorted({planned_rows(4096, size) for size in range(1, 4097)})
-        assert all(b <= 4 / 3 * a + 1 for a, b in zip(sizes, sizes[1:])
-                   if 8 <= a and b <= 1024), sizes
+        assert sizes[:11] == [1, 2, 3, 4, 5, 6, 8, 9, 11, 13, 16]
+        assert all(b <= 1.2 * a + 1 for a, b in zip(sizes, sizes[1:])), sizes
+        # the same grid whatever the rows, up to them
+        assert sizes[:-1] == sorted({planned_rows(5000, size)
+                                     for size in range(1, 4096)})
 
     @pytest.mark.parametrize('rows', [1, 7, 100, 512, 16384])
     def test_the_most_rows_within_the_size(self, rows):
+        grid = {planned_rows(rows, size) for size in range(1, rows + 2)}
         for size in range(1, rows + 2, max(1, rows // 97)):
             planned = planned_rows(rows, size)
             assert planned <= max(size, 1) and planned <= rows
-            # even pieces: the last is at most one row short of the others
-            count = -(-rows // planned)
-            assert rows - (count - 1) * planned >= planned - count
+            # none of the grid between it and the size
+            assert not [n for n in grid if planned < n <= size]
+            above = planned_above(rows, planned)
+            assert above is None if planned == rows else (
+                above == min(n for n in grid if n > planned))
 
 
 class WideNormed(torch.nn.Module):
@@ -165,7 +167,7 @@ class TestPlan:
         GradAccNeuralNetClassifier(**kwargs).fit(X[:16], y[:16])
         whole = fit_seeded(GradAccNeuralNetClassifier(
             memory_budget='1GiB', **kwargs), X, y).memory_plan_
-        for rows, peak in whole['passes'][2:]:
+        for rows, peak in whole['passes'][-3:]:
             budget = int(peak / (1 - PLAN_MARGIN / 2))
             plan = fit_seeded(GradAccNeuralNetClassifier(
                 memory_budget=budget, **kwargs), X, y).memory_plan_
@@ -634,7 +636,9 @@ def test_trains_under_a_cap_where_the_large_batch_fails():
     assert auto_run.returncode == 0, auto_out + auto_err
     assert plain_run.returncode == 0, plain_out + plain_err
     auto, plain = torch.load(auto_path), torch.load(plain_path)
-    assert 1 < auto['plan']['micro_batch_size'] < 8192
+    # in pieces, planned or backed off to: the whole batch fails
+    backed_off = [size for sizes in auto['backoffs'] for size in sizes or ()]
+    assert 1 < min([auto['plan']['micro_batch_size']] + backed_off) < 8192
     for key, value in auto['params'].items():
         torch.testing.assert_close(value, plain['params'][key], rtol=0,
                                    atol=PARAM_ATOL, msg=key)
