@@ -43,9 +43,10 @@ __all__ = ['is_out_of_memory', 'margin', 'parse_budget', 'plan_memory']
 # The budget
 
 # the share of the budget the plan leaves free, for what its passes cannot
-# show: what later batches, epochs and callbacks add, and the error of the
-# measurement
-PLAN_MARGIN = 0.1
+# show: what later batches, epochs and callbacks add, the heap's state, and
+# the error of the measurement and of the line (the benchmark's fits took up
+# to 12% more than the plan predicted)
+PLAN_MARGIN = 0.15
 
 # and at least this many bytes: what a fit's small objects take (its
 # history, Python's and malloc's pages), which no pass shows, at the
@@ -53,9 +54,10 @@ PLAN_MARGIN = 0.1
 PLAN_MARGIN_BYTES = 2 ** 20
 
 # the share of the first micro-batch's rows up to which the plan's passes
-# double: the line through the last two reaches the rest, at most twice as
+# double: the line fit to the last three reaches the rest, at most twice as
 # far, and all the passes together cost about one step's forward and
-# backward
+# backward (passes of fewer rows can read low: they reuse what the heap
+# holds)
 PLAN_PASS_SHARE = 0.5
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
@@ -169,14 +171,13 @@ def plan_memory(net, group, buffers, **fit_params):
     2. passes, forward and backward beside zero gradients (as a step's
        later pieces), on the first rows of the group's first micro-batch:
        2 rows (1 if they take too much), then twice the rows of the last,
-       up to ``PLAN_PASS_SHARE`` of them, while the line through the last
-       two (through the first one's start, in proportion, after one) says
+       up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
        the next fits.
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
-    the most rows whose peak, on the line through the two largest passes
-    that fit the budget less the :func:`margin`, fits it too, on the grid of
+    the most rows whose peak, on the line of the passes that fit the budget
+    less the :func:`margin`, fits it too, on the grid of
     :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks, as
     a cost (``batch_cost``) for other micro-batches; it goes to
     ``net.memory_plan_``: ``'budget'``, ``'micro_batch_size'``,
@@ -197,7 +198,7 @@ def plan_memory(net, group, buffers, **fit_params):
                             and rows >= 1):
         return  # nothing to measure or nothing known: back off only
     # the group's other micro-batches, and the next one, loaded beside them
-    kept = group.size * nbytes(first) if group.keep else 0
+    kept = (group.size if group.keep else 1) * nbytes(first)
     limit = budget - margin(budget)
     held = meter.held() + nbytes(_learnable(net))  # and the gradients
     _refuse_unless(net, engine, held + kept <= limit, budget, held + kept)
@@ -246,7 +247,7 @@ def margin(budget):
     Examples
     --------
     >>> margin(100 * 2 ** 20) / 2 ** 20, margin(4 * 2 ** 20) / 2 ** 20
-    (10.0, 1.0)
+    (15.0, 1.0)
 
     """
     return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
@@ -282,8 +283,11 @@ def _line(passes, room, rows, held):
 
     Peaks with what the passes left ``held`` since (``_Line.now``).
     The line runs through the largest pass that fits, ``good`` (0: none),
-    and the least that took more, else the largest that fits of at most
-    half its rows, else through its start in proportion to its rows. Its
+    and the least that took more; else its slope is that of the least
+    squares line of the passes that fit down to a quarter of its rows (the
+    last three doublings: noise in one moves it less, and a slope that
+    falls between them is not trusted alone), else of its start in
+    proportion to its rows. Its
     rows are at least ``good``, at most ``rows``, below any pass that took
     more, and ``good`` where a pass failed.
     """
@@ -295,12 +299,16 @@ def _line(passes, room, rows, held):
     if not fits:
         return line
     good = fits[-1]
-    other = [size for size in sorted(over) if peaks[size]][:1] or [
-        size for size in fits if 2 * size <= good][-1:]
+    above = [size for size in sorted(over) if peaks[size]][:1]
+    near = [size for size in fits if 4 * size >= good]
     # the slope of the passes' own peaks: what they left held grows too
-    slope = max(0.0, (passes[other[0]].peak - passes[good].peak) / (
-        other[0] - good) if other else (passes[good].peak - passes[good].start)
-        / good)
+    if above:
+        slope = (passes[above[0]].peak - passes[good].peak) / (above[0] - good)
+    elif len(near) > 1:
+        slope = _least_squares_slope(near, [passes[size].peak for size in near])
+    else:
+        slope = (passes[good].peak - passes[good].start) / good
+    slope = max(0.0, slope)
     fit = rows if slope == 0 else int(good + (room - peaks[good]) / slope)
     if None in peaks.values():  # an allocation error: no line beyond good
         fit = good
@@ -308,6 +316,12 @@ def _line(passes, room, rows, held):
     line.__dict__.update(rows=max(good, min(fit, ceiling)), good=good,
                          slope=slope, rows_1=good, peak_1=peaks[good])
     return line
+
+
+def _least_squares_slope(xs, ys):
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum(
+        (x - x_mean) ** 2 for x in xs)
 
 
 def _refuse_unless(net, engine, fits, budget, need):

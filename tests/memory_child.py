@@ -15,7 +15,11 @@ The workloads (``config['workload']``):
 * ``mlp``: an MLP 32-1024-1024-10 (1.09 M parameters), 512 rows, SGD with
   momentum, float32;
 * ``large_mlp``: 64-1024-1024-10 on 16,384 rows in one batch;
-* ``adam``: wide layers (2048) whose Adam state dominates a step.
+* ``adam``: wide layers (2048) whose Adam state dominates a step;
+* ``classes``: 64-256-8192 (8,192 classes), 1,024 rows, SGD with momentum:
+  its matrix products' buffers (MKL's) are large beside its activations.
+
+``config['micro_batch_size']`` fits that fixed size instead of ``'auto'``.
 """
 
 import json
@@ -76,19 +80,21 @@ def make_net(workload, **params):
 
     from skorch_gradacc import GradAccNeuralNetClassifier
 
-    inputs, width, rows, optimizer, extra = {
-        'mlp': (32, 1024, 512, torch.optim.SGD, {'optimizer__momentum': 0.9}),
-        'large_mlp': (64, 1024, 16384, torch.optim.SGD,
-                      {'optimizer__momentum': 0.9}),
-        'adam': (64, 2048, 1024, torch.optim.Adam, {}),
+    momentum = {'optimizer__momentum': 0.9}
+    inputs, widths, rows, optimizer, extra = {
+        'mlp': (32, (1024, 1024, 10), 512, torch.optim.SGD, momentum),
+        'large_mlp': (64, (1024, 1024, 10), 16384, torch.optim.SGD, momentum),
+        'adam': (64, (2048, 2048, 10), 1024, torch.optim.Adam, {}),
+        'classes': (64, (256, 8192), 1024, torch.optim.SGD, momentum),
     }[workload]
     rng = np.random.RandomState(0)
     X = rng.randn(rows, inputs).astype(np.float32)
-    y = rng.randint(0, 10, rows)
-    module = torch.nn.Sequential(
-        torch.nn.Linear(inputs, width), torch.nn.ReLU(),
-        torch.nn.Linear(width, width), torch.nn.ReLU(),
-        torch.nn.Linear(width, 10))
+    y = rng.randint(0, widths[-1], rows)
+    layers = []
+    for width in widths:
+        layers += [torch.nn.Linear(inputs, width), torch.nn.ReLU()]
+        inputs = width
+    module = torch.nn.Sequential(*layers[:-1])
     net = GradAccNeuralNetClassifier(
         module, criterion=torch.nn.CrossEntropyLoss, optimizer=optimizer,
         lr=0.01, batch_size=rows, max_epochs=2, train_split=None, verbose=0,
@@ -105,8 +111,9 @@ def main(config):
     warm.fit(X[:8], y[:8])
     del warm
     torch.manual_seed(0)
-    net, X, y = make_net(config['workload'], micro_batch_size='auto',
-                         memory_budget=config['budget'])
+    size = config.get('micro_batch_size', 'auto')
+    net, X, y = make_net(config['workload'], micro_batch_size=size,
+                         **{'memory_budget': config['budget']} if size == 'auto' else {})
     start = int(usage.read_text())
     peak.write_text('0')  # the peak from here (v1; v2 since Linux 6.12)
     if config.get('limit') or config.get('leave'):
