@@ -476,19 +476,26 @@ def accumulate_within_budget(net, group, accumulate, **fit_params):
     Plans the pieces before the first step (:func:`plan_memory`). After an
     allocation error in a pass, on any rank, gives up the partial gradient,
     restores the buffers, halves the pieces and runs the group again: the
-    same update, without the error (random draws are drawn again).
+    same update, without the error (random draws are drawn again). After
+    each group, the fit's meter gives the OS what the process holds free
+    (:meth:`~skorch_gradacc.meters.MemoryMeter.release`): the plan measured
+    its passes so.
     """
     buffers = snapshot_buffers(net)
     if net.memory_plan_ is None:
         plan_memory(net, group, buffers, **fit_params)
     while True:
         try:
-            return accumulate(group, **fit_params)
+            result = accumulate(group, **fit_params)
         except Exception as error:
             if not (isinstance(error, _OUT_OF_MEMORY_ERRORS)
                     or getattr(error, 'in_pass', False)):
                 raise
             size = getattr(error, 'micro_batch_size', None)
+        else:
+            if getattr(net, 'memory_meter_', None) is not None:
+                net.memory_meter_.release()
+            return result
         # outside the except block, so that the failed attempt's tensors,
         # held by the traceback, are freed
         net.get_engine().discard_gradient(functools.partial(

@@ -238,19 +238,29 @@ class MemoryMeter:
     def reset(self, release=False):
         """Start a new window: its peak is what is held now.
 
-        With ``release``, first what the process holds free goes back:
-        MKL's buffers kept for reuse (``mkl_free_buffers``; it keeps some
-        for each size of matrix product, so passes at many sizes would
-        leave a fit holding tens of MiB for sizes it never runs), then
-        malloc's free memory (``malloc_trim``), which passes measured next
-        would reuse unseen.
+        With ``release``, first what the process holds free goes back
+        (:meth:`release`), which passes measured next would reuse unseen.
         """
         self._highest = self.highest()
-        if release and _MKL_FREE_BUFFERS is not None and self.device.type == 'cpu':
-            _MKL_FREE_BUFFERS()
-        if release and _LIBC is not None:
-            _LIBC.malloc_trim(0)
+        if release:
+            self.release()
         self._start_window()
+
+    def release(self):
+        """Give the OS what the process holds free, on the CPU.
+
+        MKL's buffers kept for reuse (``mkl_free_buffers``: it keeps some
+        for each size of matrix product, so passes at many sizes would
+        leave a fit holding tens of MiB for sizes it never runs), then
+        malloc's free memory (``malloc_trim``): the heap keeps freed blocks
+        resident, and later tensors that land elsewhere add to them.
+        """
+        if self.device.type != 'cpu':
+            return
+        if _MKL_FREE_BUFFERS is not None:
+            _MKL_FREE_BUFFERS()
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
 
     def _start_window(self):
         if self.method == 'cuda':

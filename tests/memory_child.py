@@ -112,8 +112,8 @@ def main(config):
     del warm
     torch.manual_seed(0)
     size = config.get('micro_batch_size', 'auto')
-    net, X, y = make_net(config['workload'], micro_batch_size=size,
-                         **{'memory_budget': config['budget']} if size == 'auto' else {})
+    budget = {'memory_budget': config['budget']} if size == 'auto' else {}
+    net, X, y = make_net(config['workload'], micro_batch_size=size, **budget)
     start = int(usage.read_text())
     peak.write_text('0')  # the peak from here (v1; v2 since Linux 6.12)
     if config.get('limit') or config.get('leave'):
