@@ -54,11 +54,10 @@ PLAN_MARGIN = 0.15
 PLAN_MARGIN_BYTES = 2 ** 20
 
 # the share of the first micro-batch's rows up to which the plan's passes
-# double: the line fit to the last three reaches the rest, at most twice as
-# far, and all the passes together cost about one step's forward and
-# backward (passes of fewer rows can read low: they reuse what the heap
-# holds)
-PLAN_PASS_SHARE = 0.5
+# double; one more pass at the rows their line reaches verifies it: all the
+# passes together cost at most about one and a half steps' forward and
+# backward
+PLAN_PASS_SHARE = 0.25
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
@@ -172,12 +171,13 @@ def plan_memory(net, group, buffers, **fit_params):
        later pieces), on the first rows of the group's first micro-batch:
        2 rows (1 if they take too much), then twice the rows of the last,
        up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
-       the next fits.
+       the next fits, then one at the most rows the line reaches.
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
-    the most rows whose peak, on the line of the passes that fit the budget
-    less the :func:`margin`, fits it too, on the grid of
+    the largest pass whose peak fits the budget less the :func:`margin`,
+    or the most rows on the line between it and the least pass that took
+    more, on the grid of
     :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks, as
     a cost (``batch_cost``) for other micro-batches; it goes to
     ``net.memory_plan_``: ``'budget'``, ``'micro_batch_size'``,
@@ -208,14 +208,16 @@ def plan_memory(net, group, buffers, **fit_params):
         state, step = first_step_memory(net, meter)
         _refuse_unless(net, engine, step + kept <= limit, budget, step + kept)
         step -= meter.held()  # what a step adds to what is held
-        passes, size = {}, min(2, rows)
+        passes, size, verified = {}, min(2, rows), False
         while size:
             passes[size] = _pass(net, engine, meter, first, size, **fit_params)
             if len(passes) == 1 and passes[size] and getattr(
                     net, '_keep_train_y_pred_', False):
                 kept += passes[size].out * rows * group.size  # the y_pred kept
             line = _line(passes, limit - state - kept, rows, meter.held())
-            size = engine.min_over_ranks(_next_pass(passes, line, rows))
+            size, verified = _next_pass(passes, line, rows, verified)
+            size = engine.min_over_ranks(size)
+            verified = not engine.all_ranks(not verified)
         restore_buffers(buffers or ())
     smallest = passes[min(passes)]
     if smallest is None:
@@ -253,18 +255,25 @@ def margin(budget):
     return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
 
 
-def _next_pass(passes, line, rows):
-    """Return the rows of the plan's next pass, or 0: no more passes.
+def _next_pass(passes, line, rows, verified):
+    """Return the rows of the plan's next pass (0: none), and if it verifies.
 
     Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows``,
     where the line says they fit: a pass near the budget would be the
-    fit's peak, and over a container's limit, its end.
+    fit's peak, and over a container's limit, its end. Then one pass at
+    the most rows the line reaches, on the grid: the plan trains only on
+    rows a pass has shown, or between two passes, never beyond them.
     """
     if not line.good:  # one row, before refusing
-        return 1 if min(passes) > 1 else 0
+        return (1 if min(passes) > 1 else 0), verified
     last = max(passes)
+    if last != line.good or verified:
+        return 0, verified
     size = min(2 * last, int(PLAN_PASS_SHARE * rows))
-    return size if last == line.good and last < size <= line.rows else 0
+    if last < size <= line.reach:
+        return size, False
+    size = planned_rows(rows, line.reach)
+    return (size, True) if size > last else (0, False)
 
 
 class _Line(types.SimpleNamespace):
@@ -288,11 +297,13 @@ def _line(passes, room, rows, held):
     last three doublings: noise in one moves it less, and a slope that
     falls between them is not trusted alone), else of its start in
     proportion to its rows. Its
-    rows are at least ``good``, at most ``rows``, below any pass that took
-    more, and ``good`` where a pass failed.
+    ``reach`` is at least ``good``, at most ``rows``, below any pass that
+    took more, and ``good`` where a pass failed; its ``rows``, the plan's,
+    are ``good``, or its ``reach`` between ``good`` and a pass that took
+    more.
     """
-    line = _Line(rows=0, good=0, slope=0, rows_1=0, peak_1=0, room=room,
-                 held=held)
+    line = _Line(rows=0, reach=0, good=0, slope=0, rows_1=0, peak_1=0,
+                 room=room, held=held)
     peaks = {size: result and line.now(result) for size, result in passes.items()}
     over = [size for size, peak in peaks.items() if peak is None or peak > room]
     fits = sorted(size for size in peaks if size not in over)
@@ -313,7 +324,8 @@ def _line(passes, room, rows, held):
     if None in peaks.values():  # an allocation error: no line beyond good
         fit = good
     ceiling = min(over + [rows + 1]) - 1
-    line.__dict__.update(rows=max(good, min(fit, ceiling)), good=good,
+    reach = max(good, min(fit, ceiling))
+    line.__dict__.update(rows=reach if above else good, reach=reach, good=good,
                          slope=slope, rows_1=good, peak_1=peaks[good])
     return line
 
