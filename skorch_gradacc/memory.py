@@ -54,10 +54,13 @@ PLAN_MARGIN = 0.15
 PLAN_MARGIN_BYTES = 2 ** 20
 
 # the share of the first micro-batch's rows up to which the plan's passes
-# double; one more pass at the rows their line reaches verifies it: all the
-# passes together cost at most about one and a half steps' forward and
-# backward
+# double (they cost about half a step's forward and backward); passes at
+# the rows their line reaches verify it
 PLAN_PASS_SHARE = 0.25
+
+# the passes at the rows the line reaches at most: each one's line may
+# reach further
+PLAN_VERIFIES = 2
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
@@ -171,7 +174,8 @@ def plan_memory(net, group, buffers, **fit_params):
        later pieces), on the first rows of the group's first micro-batch:
        2 rows (1 if they take too much), then twice the rows of the last,
        up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
-       the next fits, then one at the most rows the line reaches.
+       the next fits, then up to ``PLAN_VERIFIES`` at the most rows the
+       line reaches.
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
@@ -208,16 +212,16 @@ def plan_memory(net, group, buffers, **fit_params):
         state, step = first_step_memory(net, meter)
         _refuse_unless(net, engine, step + kept <= limit, budget, step + kept)
         step -= meter.held()  # what a step adds to what is held
-        passes, size, verified = {}, min(2, rows), False
+        passes, size, verifies = {}, min(2, rows), 0
         while size:
             passes[size] = _pass(net, engine, meter, first, size, **fit_params)
             if len(passes) == 1 and passes[size] and getattr(
                     net, '_keep_train_y_pred_', False):
                 kept += passes[size].out * rows * group.size  # the y_pred kept
             line = _line(passes, limit - state - kept, rows, meter.held())
-            size, verified = _next_pass(passes, line, rows, verified)
+            size, verifies = _next_pass(passes, line, rows, verifies)
             size = engine.min_over_ranks(size)
-            verified = not engine.all_ranks(not verified)
+            verifies = -engine.min_over_ranks(-verifies)
         restore_buffers(buffers or ())
     smallest = passes[min(passes)]
     if smallest is None:
@@ -255,25 +259,26 @@ def margin(budget):
     return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
 
 
-def _next_pass(passes, line, rows, verified):
-    """Return the rows of the plan's next pass (0: none), and if it verifies.
+def _next_pass(passes, line, rows, verifies):
+    """Return the rows of the plan's next pass (0: none), and the verifies.
 
     Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows``,
     where the line says they fit: a pass near the budget would be the
-    fit's peak, and over a container's limit, its end. Then one pass at
-    the most rows the line reaches, on the grid: the plan trains only on
-    rows a pass has shown, or between two passes, never beyond them.
+    fit's peak, and over a container's limit, its end. Then, at most
+    ``PLAN_VERIFIES`` times, a pass at the most rows the line reaches, on
+    the grid: the plan trains only on rows a pass has shown, or between
+    two passes, never beyond them.
     """
     if not line.good:  # one row, before refusing
-        return (1 if min(passes) > 1 else 0), verified
+        return (1 if min(passes) > 1 else 0), verifies
     last = max(passes)
-    if last != line.good or verified:
-        return 0, verified
+    if last != line.good or verifies >= PLAN_VERIFIES:
+        return 0, verifies
     size = min(2 * last, int(PLAN_PASS_SHARE * rows))
-    if last < size <= line.reach:
-        return size, False
+    if last < size <= line.reach and not verifies:
+        return size, verifies
     size = planned_rows(rows, line.reach)
-    return (size, True) if size > last else (0, False)
+    return (size, verifies + 1) if size > last else (0, verifies)
 
 
 class _Line(types.SimpleNamespace):
@@ -292,11 +297,8 @@ def _line(passes, room, rows, held):
 
     Peaks with what the passes left ``held`` since (``_Line.now``).
     The line runs through the largest pass that fits, ``good`` (0: none),
-    and the least that took more; else its slope is that of the least
-    squares line of the passes that fit down to a quarter of its rows (the
-    last three doublings: noise in one moves it less, and a slope that
-    falls between them is not trusted alone), else of its start in
-    proportion to its rows. Its
+    and the least that took more, else the largest that fits of at most
+    half its rows, else through its start in proportion to its rows. Its
     ``reach`` is at least ``good``, at most ``rows``, below any pass that
     took more, and ``good`` where a pass failed; its ``rows``, the plan's,
     are ``good``, or its ``reach`` between ``good`` and a pass that took
@@ -311,15 +313,11 @@ def _line(passes, room, rows, held):
         return line
     good = fits[-1]
     above = [size for size in sorted(over) if peaks[size]][:1]
-    near = [size for size in fits if 4 * size >= good]
+    other = above or [size for size in fits if 2 * size <= good][-1:]
     # the slope of the passes' own peaks: what they left held grows too
-    if above:
-        slope = (passes[above[0]].peak - passes[good].peak) / (above[0] - good)
-    elif len(near) > 1:
-        slope = _least_squares_slope(near, [passes[size].peak for size in near])
-    else:
-        slope = (passes[good].peak - passes[good].start) / good
-    slope = max(0.0, slope)
+    slope = max(0.0, (passes[other[0]].peak - passes[good].peak) / (
+        other[0] - good) if other else (passes[good].peak - passes[good].start)
+        / good)
     fit = rows if slope == 0 else int(good + (room - peaks[good]) / slope)
     if None in peaks.values():  # an allocation error: no line beyond good
         fit = good
@@ -328,12 +326,6 @@ def _line(passes, room, rows, held):
     line.__dict__.update(rows=reach if above else good, reach=reach, good=good,
                          slope=slope, rows_1=good, peak_1=peaks[good])
     return line
-
-
-def _least_squares_slope(xs, ys):
-    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum(
-        (x - x_mean) ** 2 for x in xs)
 
 
 def _refuse_unless(net, engine, fits, budget, need):
