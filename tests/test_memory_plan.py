@@ -486,11 +486,11 @@ CONTAINERS = [('mlp', 16), ('mlp', 20), ('large_mlp', 150), ('adam', 120)]
 
 def run_containers():
     """Each of CONTAINERS in a cgroup limited to the budget above the
-    fit's start, and the mlp at 20 MiB twice more without a limit."""
+    fit's start, and the mlp at 24 MiB three times without a limit."""
     return ([memory_child.run({'workload': name, 'budget': mib * MiB,
                                'limit': True}) for name, mib in CONTAINERS],
-            [memory_child.run({'workload': 'mlp', 'budget': 20 * MiB})
-             for _ in range(2)])
+            [memory_child.run({'workload': 'mlp', 'budget': 24 * MiB})
+             for _ in range(3)])
 
 
 @pytest.mark.slow
@@ -515,9 +515,11 @@ def test_fits_keep_their_budgets_in_a_container():
 @needs_cgroup
 @background(run_containers)
 def test_the_same_plan_in_three_processes():
-    limited, free = background_result(run_containers)
-    sizes = [limited[CONTAINERS.index(('mlp', 20))]['plan']] + [
-        result['plan'] for result in free]
+    # a budget whose plan is not at a step of the grid: there, a pass's
+    # noise of a few percent goes either way (docs/benchmarks.rst counts
+    # how often)
+    _, free = background_result(run_containers)
+    sizes = [result['plan'] for result in free]
     assert len({plan['micro_batch_size'] for plan in sizes}) == 1, sizes
 
 
