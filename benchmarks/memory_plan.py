@@ -294,7 +294,7 @@ def main(argv=None):
     workloads, start = QUICK if args.quick else WORKLOADS, time.perf_counter()
     results = {'meta': harness.provenance('benchmarks.memory_plan', argv),
                'quick': args.quick, 'repeats': REPEATS[args.quick]}
-    with ThreadPoolExecutor(2) as pool:  # two fits at a time, on two cores
+    with ThreadPoolExecutor(1) as pool:  # one fit at a time, as users run one: timed
         fits = {(name, budget): pool.submit(measure, name, budget, args.quick)
                 for name, (_, _, budgets) in workloads.items() for budget in budgets}
         results['workloads'] = {name: {'batch_size': B, 'batches': n, 'budgets': {

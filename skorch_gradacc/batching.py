@@ -42,16 +42,16 @@ def split_batch(batch, micro_batch_size):
     [2, 2, 1]
 
     """
-    micro_batches = []
-    for start in range(0, batch_len(batch), micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        if isinstance(batch, (tuple, list)):
-            micro_batches.append(type(batch)(
-                None if data is None else multi_indexing(data, rows)
-                for data in batch))
-        else:
-            micro_batches.append(multi_indexing(batch, rows))
-    return micro_batches
+    return [take_rows(batch, slice(start, start + micro_batch_size))
+            for start in range(0, batch_len(batch), micro_batch_size)]
+
+
+def take_rows(batch, rows):
+    """Return the rows (a slice) of a batch, as :func:`split_batch` does."""
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(None if data is None else multi_indexing(data, rows)
+                           for data in batch)
+    return multi_indexing(batch, rows)
 
 
 def arrays_in(data):

@@ -29,6 +29,7 @@ from skorch_gradacc.batching import (
     planned_rows,
     rows_within,
     split_batch,
+    take_rows,
 )
 from skorch_gradacc.counting import (
     net_optimizers,
@@ -54,13 +55,14 @@ PLAN_MARGIN = 0.15
 PLAN_MARGIN_BYTES = 2 ** 20
 
 # the share of the first micro-batch's rows up to which the plan's passes
-# double (they cost about half a step's forward and backward); passes at
-# the rows their line reaches verify it
+# double (they cost about half a step's forward and backward); pieces of
+# the first steps at the rows their line reaches verify it
 PLAN_PASS_SHARE = 0.25
 
-# the passes at the rows the line reaches at most: each one's line may
-# reach further
-PLAN_VERIFIES = 2
+# the pairs of verifying pieces at most, in the first steps: each one's
+# line may reach further (each at most twice the last's rows), and they
+# train, so that many cost no time
+PLAN_VERIFIES = 6
 
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
@@ -133,13 +135,47 @@ def split_micro_batch(net, micro, group):
     """
     plan = getattr(net, 'memory_plan_', None)
     rows = group.rows_in_flight = batch_len(micro)
-    group.cost_per_row = cost_per_row(micro)
-    if plan is None:
-        size = net.get_micro_batch_size()
-    else:
-        size = rows_within(plan['max_cost'], group.cost_per_row, rows)
+    group.cost_per_row, group.shown_rows = cost_per_row(micro), None
+    size = net.get_micro_batch_size() if plan is None else rows_within(
+        plan['max_cost'], group.cost_per_row, rows)
     group.piece_rows = rows if size is None else min(size, rows)
     return [micro] if group.piece_rows >= rows else split_batch(micro, size)
+
+
+def micro_batch_pieces(net, micro, group):
+    """Yield ``(piece, is_last)`` for the pieces of ``micro``, in order.
+
+    While the plan verifies (``_settle``), a micro-batch of the first one's
+    cost per row gives, while it has the rows, two pieces of the rows to
+    verify (one if it has fewer), measured as they train (``_verified``),
+    and again at the next rows; then the pieces of
+    :func:`split_micro_batch`, cut after them.
+    """
+    verify, rows = getattr(net, '_plan_verify_', None), batch_len(micro)
+    left, per_row = rows, cost_per_row(micro)
+    while verify and 0 < (size := verify.size) <= left and per_row == verify.per_row:
+        # for a back-off: to the rows the plan's passes showed
+        group.rows_in_flight, group.piece_rows = left, size
+        group.cost_per_row, group.shown_rows = per_row, rows_within(
+            net.memory_plan_['max_cost'], per_row, left)
+        # the second, a later piece of the rows, shows what the first left
+        # held and the next does not reuse (MKL's buffers of some sizes)
+        verify.twice, used = 2 * size <= left, min(2 * size, left)
+        pieces = split_batch(take_rows(micro, slice(used)), size)
+        micro, left = take_rows(micro, slice(used, None)), left - used
+        for param in [param for param in _learnable(net) if param.grad is None]:
+            param.grad = torch.zeros_like(param)  # as the passes' and a step's
+        verify.meter.reset(release=True)  # the pieces' own peak
+        verify.start, verify.one = verify.meter.held(), None
+        while pieces:
+            yield pieces.pop(0), not pieces and not left
+            verify.one = verify.one or (verify.meter.peak(), verify.meter.held())
+        _verified(net)
+    # none where the verifying pieces took every row
+    pieces = [] if rows and not left else split_micro_batch(net, micro, group)
+    del micro  # held by pieces until the next one is pulled
+    while pieces:
+        yield pieces.pop(0), not pieces
 
 
 def eval_pieces(net, batch):
@@ -149,9 +185,8 @@ def eval_pieces(net, batch):
     None (the batch as it is) without it, or for a batch that fits.
     """
     size = net.get_micro_batch_size()
-    if size is None or batch_len(batch) <= size:
-        return None
-    return split_batch(batch, size)
+    fits = size is None or batch_len(batch) <= size
+    return None if fits else split_batch(batch, size)
 
 
 # The plan
@@ -163,7 +198,7 @@ Pass = collections.namedtuple('Pass', 'peak start after out')
 
 
 def plan_memory(net, group, buffers, **fit_params):
-    """Plan the pieces of ``micro_batch_size='auto'`` before the first step.
+    """Plan the pieces of ``micro_batch_size='auto'``, from the first step on.
 
     From peaks measured above what the process held when the fit started,
     after malloc gave back what it held free:
@@ -174,23 +209,26 @@ def plan_memory(net, group, buffers, **fit_params):
        later pieces), on the first rows of the group's first micro-batch:
        2 rows (1 if they take too much), then twice the rows of the last,
        up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
-       the next fits, then up to ``PLAN_VERIFIES`` at the most rows the
-       line reaches.
+       the next fits;
+    3. then, in training, up to ``PLAN_VERIFIES`` pairs of pieces of the
+       first steps, at the most rows the line reaches and at most twice
+       the last's (``micro_batch_pieces``): they cost no extra time.
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
     the largest pass whose peak fits the budget less the :func:`margin`,
     or the most rows on the line between it and the least pass that took
     more, on the grid of
-    :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks, as
-    a cost (``batch_cost``) for other micro-batches; it goes to
-    ``net.memory_plan_``: ``'budget'``, ``'micro_batch_size'``,
-    ``'max_cost'`` (in ``'cost'``, rows or elements), ``'predicted_peak'``
-    and, after the fit, ``'measured_peak'`` (bytes), ``'plan_seconds'``,
-    ``'passes'`` (each one's rows and peak)
-    and ``'method'``. A budget that one row does not fit raises a
-    ValueError. The passes leave no gradient, buffer (``buffers``) or
-    random state changed.
+    :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks
+    once none verifies more, as a cost (``batch_cost``) for other
+    micro-batches; it goes to ``net.memory_plan_``: ``'budget'``,
+    ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
+    elements), ``'predicted_peak'`` and, after the fit, ``'measured_peak'``
+    (bytes), ``'plan_seconds'`` (the passes'), ``'passes'`` and
+    ``'verified'`` (each one's rows and peak) and ``'method'``. A budget
+    that one row does not fit raises a ValueError before the first step.
+    The passes leave no gradient, buffer (``buffers``) or random state
+    changed; the verifying pieces train.
     """
     engine, start = net.get_engine(), time.perf_counter()
     first = next(iter(group.micro_batches()), None)  # the group keeps it
@@ -213,7 +251,7 @@ def plan_memory(net, group, buffers, **fit_params):
         _refuse_unless(net, engine, step + kept <= limit, budget, step + kept)
         step -= meter.held()  # what a step adds to what is held
         passes, size, verifies = {}, min(2, rows), 0
-        while size:
+        while size and not verifies:  # verifying: the first steps' pieces
             passes[size] = _pass(net, engine, meter, first, size, **fit_params)
             if len(passes) == 1 and passes[size] and getattr(
                     net, '_keep_train_y_pred_', False):
@@ -228,21 +266,76 @@ def plan_memory(net, group, buffers, **fit_params):
         raise RuntimeError(_ONE_ROW)
     _refuse_unless(net, engine, line.good, budget,
                    line.now(smallest) + state + kept)
-    per_row = cost_per_row(first)
-    max_cost = engine.min_over_ranks(math.ceil(
-        per_row * planned_rows(rows, line.rows)))
-    planned = planned_rows(rows, rows_within(max_cost, per_row, rows))
-    net.micro_batch_size_ = planned if planned < rows else None
     net.memory_plan_ = {
-        'budget': budget, 'method': meter.method, 'max_cost': max_cost,
+        'budget': budget, 'method': meter.method, 'measured_peak': None,
         'cost': 'rows' if batch_cost(first) is None else 'elements',
-        'micro_batch_size': planned, 'measured_peak': None,
-        'predicted_peak': int(max(line.peak(planned) + state,
-                                  meter.held() + step) + kept),
-        'plan_seconds': time.perf_counter() - start,
+        'plan_seconds': time.perf_counter() - start, 'verified': [],
         'passes': [(size, result and int(result.peak))
                    for size, result in passes.items()]}
+    net._plan_verify_ = types.SimpleNamespace(
+        passes=passes, room=limit - state - kept, rows=rows, held=meter.held(),
+        per_row=cost_per_row(first), size=size, verifies=verifies,
+        beside=state + kept, floor=meter.held() + step + kept,
+        meter=meter, start=None, unused=1)
+    _settle(net, engine.min_over_ranks)
     meter.reset(release=True)  # the fit starts without the passes' caches
+
+
+def _settle(net, agree):
+    """Set the plan's pieces from its passes, ``agree``-d over ranks.
+
+    Until no rank verifies more rows (``_plan_verify_.size``), the plan
+    goes on in the first steps' pieces (:func:`micro_batch_pieces`); a
+    plan settled without ``agree`` is this rank's alone.
+    """
+    verify = net._plan_verify_
+    rows, per_row = verify.rows, verify.per_row
+    line = _line(verify.passes, verify.room, rows, verify.held)
+    max_cost = agree(math.ceil(per_row * planned_rows(rows, line.rows)))
+    planned = planned_rows(rows, rows_within(max_cost, per_row, rows))
+    net.micro_batch_size_ = planned if planned < rows else None
+    peak = max([line.peak(planned) + verify.beside, verify.floor] + [
+        seen for _, seen in net.memory_plan_['verified'] if seen])  # the fit's
+    net.memory_plan_.update(max_cost=max_cost, micro_batch_size=planned,
+                            predicted_peak=int(peak))
+    if agree is not int and not verify.size:
+        net._plan_verify_ = None
+    return line
+
+
+def _verified(net):
+    """Note the peak of the verifying piece that ran, and plan anew."""
+    verify = net._plan_verify_
+    if verify is None or verify.start is None:
+        return
+    # from the passes' start: what a step holds besides (the next
+    # micro-batch, the optimizers' state after the first step) is not the
+    # piece's, and the plan counts it apart
+    base = max(result.start for result in verify.passes.values() if result)
+    shift = base - verify.start
+    peak, after = verify.meter.peak() + shift, verify.meter.held() + shift
+    if verify.twice:  # the share of what one piece left that the next added
+        one_peak, one_after = (value + shift for value in verify.one)
+        verify.unused = min(1, max(0, peak - one_peak) / max(one_after - base, 1))
+    # one piece alone: that share of what it left, as the next would add
+    alone = 0 if verify.twice else verify.unused * max(0, after - base)
+    verify.passes[verify.size] = Pass(peak + alone, base, after, 0)
+    net.memory_plan_['verified'].append((verify.size, int(verify.meter.peak())))
+    line = _settle(net, int)  # this rank's, for the rest of the group
+    verify.start, (verify.size, verify.verifies) = None, _next_pass(
+        verify.passes, line, verify.rows, verify.verifies)
+
+
+def settle_after_group(net):
+    """End a group of the plan's verification: agree when no rank verifies.
+
+    The group's last piece, which FSDP2's loop does not come back to
+    after, is noted here.
+    """
+    if getattr(net, '_plan_verify_', None) is not None:
+        _verified(net)
+        if net.get_engine().all_ranks(not net._plan_verify_.size):
+            _settle(net, net.get_engine().min_over_ranks)
 
 
 def margin(budget):
@@ -265,9 +358,9 @@ def _next_pass(passes, line, rows, verifies):
     Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows``,
     where the line says they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
-    ``PLAN_VERIFIES`` times, a pass at the most rows the line reaches, on
-    the grid: the plan trains only on rows a pass has shown, or between
-    two passes, never beyond them.
+    ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
+    the grid, and at most twice the last's (a line is a guess): the plan
+    trains only on rows a pass has shown, or between two passes.
     """
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
@@ -277,7 +370,7 @@ def _next_pass(passes, line, rows, verifies):
     size = min(2 * last, int(PLAN_PASS_SHARE * rows))
     if last < size <= line.reach and not verifies:
         return size, verifies
-    size = planned_rows(rows, line.reach)
+    size = planned_rows(rows, min(line.reach, 2 * last))
     return (size, verifies + 1) if size > last else (0, verifies)
 
 
@@ -365,7 +458,7 @@ def _pass(net, engine, meter, first, rows, **fit_params):
     any rank: each rank runs the same passes (FSDP2's gather and reduce),
     a rank whose pass failed a zero-row one (``join_plan_pass``).
     """
-    piece, params = split_batch(first, rows)[0], _learnable(net)
+    piece, params = take_rows(first, slice(rows)), _learnable(net)
     for param in params:
         param.grad = torch.zeros_like(param)
     # what a step holds that the zeros do not show: FSDP2's unsharded
@@ -392,8 +485,7 @@ def _pass(net, engine, meter, first, rows, **fit_params):
     net._zero_grad_optimizer()
     if not engine.all_ranks(result is not None):
         return None
-    peak, start, out = result
-    return Pass(peak, start, meter.held(), out)
+    return Pass(*result[:2], meter.held(), result[2])
 
 
 def first_step_memory(net, meter):
@@ -422,9 +514,7 @@ def first_step_memory(net, meter):
             continue
         alive.append(probe)
         state += nbytes([list(values.values()) for values in probe.state.values()])
-    step = meter.peak() + guessed
-    del alive
-    return state + guessed, step
+    return state + guessed, meter.peak() + guessed  # alive until here
 
 
 def _standin(param):
@@ -497,6 +587,7 @@ def accumulate_within_budget(net, group, accumulate, **fit_params):
                 raise
             size = getattr(error, 'micro_batch_size', None)
         else:
+            settle_after_group(net)
             if getattr(net, 'memory_meter_', None) is not None:
                 net.memory_meter_.release()
             return result
@@ -522,12 +613,15 @@ def note_pass_error(net, error, group, is_last, **fit_params):
 
 
 def backed_off_size(group):
-    """Return half the rows of the piece that ran out of memory."""
+    """Return half the rows of the piece that ran out of memory.
+
+    For a piece that verified the plan, the rows its passes showed.
+    """
     rows = group.rows_in_flight
     current = min(getattr(group, 'piece_rows', None) or rows, rows)
     if current <= 1:
         raise RuntimeError(_ONE_ROW)
-    return (current + 1) // 2
+    return getattr(group, 'shown_rows', None) or (current + 1) // 2
 
 
 def _back_off(net, group, buffers, size=None):
@@ -539,6 +633,9 @@ def _back_off(net, group, buffers, size=None):
     """
     net._zero_grad_optimizer()
     restore_buffers(buffers or ())
+    verify, net._plan_verify_ = getattr(net, '_plan_verify_', None), None
+    if verify is not None and verify.start is not None:
+        net.memory_plan_['verified'].append((verify.size, None))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     net.micro_batch_size_ = size or backed_off_size(group)

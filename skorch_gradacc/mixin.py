@@ -46,8 +46,8 @@ from skorch_gradacc.memory import (
     accumulate_within_budget,
     eval_pieces,
     fit_memory,
+    micro_batch_pieces,
     note_pass_error,
-    split_micro_batch,
 )
 from skorch_gradacc.params import (
     add_combined_init,
@@ -202,7 +202,7 @@ class GradAccMixin(PrecisionMixin):
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
         self.micro_batch_size_ = None
-        self.memory_plan_ = None
+        self.memory_plan_ = self._plan_verify_ = None
         self.grad_scaler_ = None
         return super().initialize()
 
@@ -446,11 +446,11 @@ class GradAccMixin(PrecisionMixin):
         (with a memory plan, of its cost).
         """
         for index, micro in enumerate(group.micro_batches()):
-            pieces = split_micro_batch(self, micro, group)
+            pieces = micro_batch_pieces(self, micro, group)
             del micro  # held by pieces until the next one is pulled
-            last = len(pieces) - 1
-            for number in range(len(pieces)):
-                yield pieces[number], number == last and group.is_last(index)
+            for piece, last in pieces:
+                yield piece, last and group.is_last(index)
+                del piece
             del pieces
 
     def _train_piece(self, piece, counts, is_last, **fit_params):

@@ -382,7 +382,7 @@ def test_memory_plan_quick_run():
     assert results['meta']['method'] in ('cgroup', 'sampler')
     assert list(results['workloads']) == list(memory_plan.QUICK)
     keys = {'budget', 'method', 'max_cost', 'cost', 'micro_batch_size',
-            'measured_peak', 'predicted_peak', 'plan_seconds', 'passes'}
+            'measured_peak', 'predicted_peak', 'plan_seconds', 'passes', 'verified'}
     for name, (batch_size, batches, budgets) in memory_plan.QUICK.items():
         entry = results['workloads'][name]
         assert (entry['batch_size'], entry['batches']) == (batch_size, batches)

@@ -368,26 +368,24 @@ def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(fsdp):
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(fsdp, oracle):
-    # only rank 1's module fails above 4 rows, from the start: a pass of the
-    # plan that fails there (a zero-row pass joins rank 0's) is too large
-    # on every rank; the plan is the same on both, at most 4 rows, and
-    # training needs no back-off
+    # only rank 1's module fails above 4 rows, from the start: the plan's
+    # passes (2 rows) fit; its verifying piece, the first step's first,
+    # fails on rank 1 (a zero-row pass joins rank 0's), and every rank
+    # takes that step again once, at the rows the passes showed
     ranks = fsdp.ranks('plan_fails')
     passes = [rank['memory_plan_']['passes'] for rank in ranks]
-    assert [[rows for rows, _ in each] for each in passes] == [
+    assert passes[0] and [[rows for rows, _ in each] for each in passes] == [
         [rows for rows, _ in passes[0]]] * 2  # the same passes
-    for each in passes:  # too large on every rank: those that failed
-        assert [peak is None for _, peak in each] == [
-            rows > 4 for rows, _ in each]
-    failed = [rows for rows, peak in passes[1] if peak is None]
-    assert failed  # the plan tried more rows than rank 1 takes
-    assert ranks[1]['failed_rows'] == failed  # all of them in the plan
+    assert all(peak for each in passes for _, peak in each)
+    verified = ranks[1]['memory_plan_']['verified']
+    assert [peak is None for _, peak in verified] == [
+        rows > 4 for rows, _ in verified] and verified[-1][1] is None
+    assert ranks[1]['failed_rows'] == [verified[-1][0]]
     assert ranks[0]['failed_rows'] == []
-    plans = [rank['memory_plan_']['micro_batch_size'] for rank in ranks]
+    plans = [rank['micro_batch_size_'] for rank in ranks]
     assert plans[0] == plans[1] <= 4
     for rank in ranks:
-        assert rank['micro_batch_size_'] == plans[0]
-        assert rank['backoffs'] == [None] * 10
+        assert rank['backoffs'] == [[plans[0]]] + [None] * 9
     assert_params_equal(torch.load(fsdp.folder('plan_fails') / 'params.pt'),
                         oracle)
     assert_losses_equal(ranks, oracle)

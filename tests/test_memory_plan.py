@@ -172,7 +172,8 @@ class TestPlan:
             plan = fit_seeded(GradAccNeuralNetClassifier(
                 memory_budget=budget, **kwargs), X, y).memory_plan_
             assert plan['micro_batch_size'] < rows, (rows, plan)
-            assert plan['predicted_peak'] <= budget - margin(budget), plan
+            # with its verifying pieces, which may take more than the margin
+            assert plan['predicted_peak'] <= budget, plan
             assert plan['measured_peak'] <= budget, plan
 
     def test_the_plan_leaves_no_trace(self, clf_data):
@@ -385,7 +386,7 @@ class FailsAfterThePlan(Callback):
     train_batch_reads = ()
 
     def on_grad_computed(self, net, **kwargs):
-        net.module_.armed = True
+        net.module_.armed = getattr(net, '_plan_verify_', None) is None  # settled
 
 
 class CappedCPU(MLPClassifier):
@@ -408,16 +409,22 @@ class CappedCPU(MLPClassifier):
 class TestAllocationErrors:
     @pytest.mark.own_process
     def test_the_plan_stays_below_sizes_that_fail(self, clf_data):
-        # an error above 10 rows from the start: the plan's passes find it
+        # an error above 10 rows from the start: the plan's passes (up to 8
+        # rows) show none; its first piece, at the rows their line reaches,
+        # fails, and the step is taken again once, at the rows they showed
         acc_net, plain_net = make_nets(
             1, batch_size=32, module=CappedCPU, optimizer=torch.optim.Adam,
             lr=0.01, iterator_train__shuffle=True)
         acc_net.set_params(micro_batch_size='auto')
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
-        assert acc_net.memory_plan_['micro_batch_size'] <= 10
-        assert not any('micro_batch_size_backoff' in row for epoch in
-                       acc_net.history for row in epoch['batches'])
+        plan = acc_net.memory_plan_
+        assert max(rows for rows, _ in plan['passes']) == 8, plan
+        assert [peak for _, peak in plan['verified']] == [None], plan
+        backoffs = [row['micro_batch_size_backoff'] for epoch in
+                    acc_net.history for row in epoch['batches']
+                    if 'micro_batch_size_backoff' in row]
+        assert backoffs == [[8]] and acc_net.micro_batch_size_ == 8
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
     def test_backs_off_and_keeps_the_update(self, clf_data):
@@ -486,10 +493,10 @@ CONTAINERS = [('mlp', 16), ('mlp', 20), ('large_mlp', 150), ('adam', 120)]
 
 def run_containers():
     """Each of CONTAINERS in a cgroup limited to the budget above the
-    fit's start, and the mlp at 24 MiB three times without a limit."""
+    fit's start, and the mlp at 28 MiB three times without a limit."""
     return ([memory_child.run({'workload': name, 'budget': mib * MiB,
                                'limit': True}) for name, mib in CONTAINERS],
-            [memory_child.run({'workload': 'mlp', 'budget': 24 * MiB})
+            [memory_child.run({'workload': 'mlp', 'budget': 28 * MiB})
              for _ in range(3)])
 
 
@@ -515,9 +522,10 @@ def test_fits_keep_their_budgets_in_a_container():
 @needs_cgroup
 @background(run_containers)
 def test_the_same_plan_in_three_processes():
-    # a budget whose plan is not at a step of the grid: there, a pass's
-    # noise of a few percent goes either way (docs/benchmarks.rst counts
-    # how often)
+    # a budget whose plan is not at a step of the grid (the whole batch,
+    # after verifying pieces of 256 and 512 rows): at budgets that split
+    # it (20, 24 MiB), a piece's noise of a few percent moves the plan a
+    # step of the grid either way (docs/benchmarks.rst counts how often)
     _, free = background_result(run_containers)
     sizes = [result['plan'] for result in free]
     assert len({plan['micro_batch_size'] for plan in sizes}) == 1, sizes

@@ -40,12 +40,13 @@ class CappedMLP(MLPClassifier):
 
 
 class ArmAfterThePlan(Callback):
-    """Arms the module's error after the first step: the plan was wrong."""
+    """Arms the module's error once the plan has settled, in the first steps
+    (its verifying pieces ran): the plan was wrong."""
 
     train_batch_reads = ()
 
     def on_grad_computed(self, net, **kwargs):
-        net.module_.armed = True
+        net.module_.armed = getattr(net, '_plan_verify_', None) is None
 
 
 def backoffs(net):
@@ -136,17 +137,19 @@ class TestAutoMicroBatchSize:
         assert acc_net.history[:, 'micro_batch_size'] == [8, 8, 8]
 
     def test_the_plan_stays_below_what_fails(self, clf_data):
-        # 10 rows fit from the start: the plan's passes find it, and no
-        # step backs off
+        # 10 rows fit from the start: the plan's passes (up to 8 rows) show
+        # it; its verifying piece, the first step's first, fails, and that
+        # step backs off once, to the rows the passes showed
         acc_net, plain_net = micro_nets('auto', module__max_rows=10)
         plain_net.set_params(module__max_rows=1000)
         fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
         plan = acc_net.memory_plan_
         assert 1 < plan['micro_batch_size'] <= 10
-        assert None in [peak for _, peak in plan['passes']]  # one failed
-        assert plan['max_cost'] == 10 * plan['micro_batch_size']  # features
-        assert backoffs(acc_net) == []
-        assert max(acc_net.module_.rows_[len(plan['passes']):]) <= 10
+        assert [peak for _, peak in plan['verified']] == [None]  # it failed
+        assert plan['max_cost'] == 10 * acc_net.micro_batch_size_  # features
+        assert backoffs(acc_net) == [[acc_net.micro_batch_size_]]
+        # after the passes and the failed piece, every piece fits
+        assert max(acc_net.module_.rows_[len(plan['passes']) + 1:]) <= 10
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
 
     def test_partial_fit_keeps_the_size_and_fit_starts_afresh(self, clf_data):
@@ -253,23 +256,30 @@ class BatchNormCapped(torch.nn.Module):
         return torch.softmax(self.output(torch.tanh(hidden)), dim=-1)
 
 
-class SwitchAfterTheFirstStep(Callback):
-    """Sets the net's ``micro_batch_size`` after its first step."""
+class SwitchAfterEachStep(Callback):
+    """Sets the net's ``micro_batch_size`` after each step: the next of
+    ``sizes``, then the last one."""
 
     train_batch_reads = ()
 
-    def __init__(self, size):
-        self.size = size
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def on_train_begin(self, net, **kwargs):
+        self.steps_ = 0
 
     def on_grad_computed(self, net, **kwargs):
-        net.micro_batch_size = self.size
+        self.steps_ += 1
+        net.micro_batch_size = self.sizes[min(self.steps_, len(self.sizes)) - 1]
 
 
 @pytest.mark.parametrize('in_the_plan', [True, False])
 def test_auto_restores_buffers_of_failed_attempts(clf_data, in_the_plan):
-    # above 16 rows, the passes fail in the plan, or the steps after the
-    # first (a back-off): the run equals one at the sizes that trained
-    # from the start, BatchNorm's statistics and counter included
+    # above 16 rows, the plan's verifying piece fails (the passes stop at
+    # 16), or the steps after the plan settled (its verifying pieces, one
+    # size a step): either backs off, and the run equals one at the sizes
+    # that trained from the start, BatchNorm's statistics and counter
+    # included
     kwargs = dict(batch_size=64, max_epochs=2, lr=0.1, verbose=0,
                   train_split=None, iterator_train__shuffle=True)
     auto = fit_seeded(GradAccNeuralNetClassifier(
@@ -277,11 +287,15 @@ def test_auto_restores_buffers_of_failed_attempts(clf_data, in_the_plan):
         callbacks=[] if in_the_plan else [ArmAfterThePlan()], **kwargs),
         *clf_data)
     size = auto.micro_batch_size_
-    assert size <= 16 and bool(backoffs(auto)) != in_the_plan
+    assert size <= 16 and backoffs(auto)
+    assert auto.memory_plan_['verified'][-1][1] is None or not in_the_plan
+    verified = [rows for rows, _ in auto.memory_plan_['verified']]
+    assert in_the_plan or len(verified) >= 1
     fixed = fit_seeded(GradAccNeuralNetClassifier(
         BatchNormCapped, module__max_rows=1000,
-        micro_batch_size=size if in_the_plan else 64,
-        callbacks=[] if in_the_plan else [SwitchAfterTheFirstStep(size)],
+        micro_batch_size=size if in_the_plan else verified[0],
+        callbacks=[] if in_the_plan else [
+            SwitchAfterEachStep(verified[1:] + [size])],
         **kwargs), *clf_data)
     fixed_state = fixed.module_.state_dict()
     for key, value in auto.module_.state_dict().items():
