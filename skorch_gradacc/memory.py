@@ -26,6 +26,7 @@ from skorch_gradacc.batching import (
     cost_per_row,
     is_positive_int,
     nbytes,
+    planned_above,
     planned_rows,
     rows_within,
     split_batch,
@@ -359,8 +360,8 @@ def _next_pass(passes, line, rows, verifies):
     where the line says they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
-    the grid, and at most twice the last's (a line is a guess): the plan
-    trains only on rows a pass has shown, or between two passes.
+    the grid, and at most the next above twice the last's (a line is a
+    guess): the plan trains only on rows a pass has shown, or between two.
     """
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
@@ -370,7 +371,7 @@ def _next_pass(passes, line, rows, verifies):
     size = min(2 * last, int(PLAN_PASS_SHARE * rows))
     if last < size <= line.reach and not verifies:
         return size, verifies
-    size = planned_rows(rows, min(line.reach, 2 * last))
+    size = planned_rows(rows, min(line.reach, planned_above(rows, 2 * last) or rows))
     return (size, verifies + 1) if size > last else (0, verifies)
 
 
