@@ -209,7 +209,7 @@ def planned_rows(rows, size):
     """
     if size >= rows:
         return max(rows, 1)
-    return max(size for size in _planned_sizes(size))
+    return max(_planned_sizes(size))
 
 
 def planned_above(rows, size):
@@ -223,7 +223,7 @@ def planned_above(rows, size):
     """
     if size >= rows:
         return None
-    return min(rows, next(step for step in _planned_sizes(4 * size + 4)
+    return min(rows, next(step for step in _planned_sizes(2 * size + 1)
                           if step > size))
 
 

@@ -217,8 +217,10 @@ class FullyShardedEngine(DataParallelEngine):
             current = None
             yield piece, not any_more
             del piece
-            if more:
-                current = next(pieces, None)
+            # after this rank's last piece too: the generator ends the step
+            # there (a plan that verifies measures the piece)
+            following = next(pieces, None)
+            current = following if more else None
 
     def may_skip(self, is_last):
         """No pass is left out: each gathers parameters from all ranks."""

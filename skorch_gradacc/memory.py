@@ -328,13 +328,8 @@ def _verified(net):
 
 
 def settle_after_group(net):
-    """End a group of the plan's verification: agree when no rank verifies.
-
-    The group's last piece, which FSDP2's loop does not come back to
-    after, is noted here.
-    """
+    """End a group of the plan's verification: agree when no rank verifies."""
     if getattr(net, '_plan_verify_', None) is not None:
-        _verified(net)
         if net.get_engine().all_ranks(not net._plan_verify_.size):
             _settle(net, net.get_engine().min_over_ranks)
 

@@ -14,11 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 
@@ -27,7 +29,8 @@ from skorch_gradacc import (
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
 )
-from skorch_gradacc.fully_sharded import modules_to_shard
+from skorch_gradacc.engine import DDPEngine, Engine
+from skorch_gradacc.fully_sharded import FullyShardedEngine, modules_to_shard
 
 from conftest import (
     DTYPE,
@@ -119,6 +122,27 @@ def assert_losses_equal(ranks, net):
         np.testing.assert_allclose(rank['train_losses'], expected, rtol=1e-10)
         assert rank['train_batch_sizes'] == train_losses(
             net.history, 'train_batch_size')
+
+
+@pytest.mark.parametrize('engine_class', [Engine, DDPEngine, FullyShardedEngine])
+def test_every_engine_lets_the_pieces_end_their_step(tmp_path, engine_class):
+    # the generator of a step's pieces runs on after its last piece: a
+    # memory plan that verifies measures the piece there
+    ended, module = [], torch.nn.Linear(2, 1)
+
+    def pieces():
+        yield torch.zeros(2, 2), False
+        yield torch.ones(2, 2), True
+        ended.append(True)
+
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        engine = engine_class(DDP(module) if engine_class is DDPEngine else module)
+        assert [is_last for _, is_last in engine.passes(pieces())] == [False, True]
+    finally:
+        dist.destroy_process_group()
+    assert ended == [True]
 
 
 @pytest.mark.slow  # torchrun
