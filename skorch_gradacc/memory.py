@@ -110,17 +110,15 @@ def fit_memory(net):
     if net.micro_batch_size != 'auto' or getattr(net, 'memory_meter_', None):
         yield
         return
-    device = torch.device(net.device or 'cpu')
-    if device.type == 'cpu':
+    if torch.device(net.device or 'cpu').type == 'cpu':
         fix_malloc_threshold()
-    net.memory_meter_ = meter = MemoryMeter(device)
+    net.memory_meter_ = meter = MemoryMeter(net.device or 'cpu')
     try:
         yield
     finally:
         net.memory_meter_ = None
-        plan = getattr(net, 'memory_plan_', None)
-        if plan is not None:
-            plan['measured_peak'] = meter.highest()
+        if getattr(net, 'memory_plan_', None) is not None:
+            net.memory_plan_['measured_peak'] = meter.highest()
 
 
 # Pieces
@@ -186,8 +184,7 @@ def eval_pieces(net, batch):
     None (the batch as it is) without it, or for a batch that fits.
     """
     size = net.get_micro_batch_size()
-    fits = size is None or batch_len(batch) <= size
-    return None if fits else split_batch(batch, size)
+    return split_batch(batch, size) if size and batch_len(batch) > size else None
 
 
 # The plan
@@ -212,8 +209,9 @@ def plan_memory(net, group, buffers, **fit_params):
        up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
        the next fits;
     3. then, in training, up to ``PLAN_VERIFIES`` pairs of pieces of the
-       first steps, at the most rows the line reaches and at most twice
-       the last's (``micro_batch_pieces``): they cost no extra time.
+       first steps (``micro_batch_pieces``), at the most rows the line
+       reaches, or below a size that took more (``_next_pass``): they cost
+       no extra time.
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
@@ -277,7 +275,7 @@ def plan_memory(net, group, buffers, **fit_params):
         passes=passes, room=limit - state - kept, rows=rows, held=meter.held(),
         per_row=cost_per_row(first), size=size, verifies=verifies,
         beside=state + kept, floor=meter.held() + step + kept,
-        meter=meter, start=None, unused=1)
+        meter=meter, start=None, unused=None)
     _settle(net, engine.min_over_ranks)
     meter.reset(release=True)  # the fit starts without the passes' caches
 
@@ -289,8 +287,7 @@ def _settle(net, agree):
     goes on in the first steps' pieces (:func:`micro_batch_pieces`); a
     plan settled without ``agree`` is this rank's alone.
     """
-    verify = net._plan_verify_
-    rows, per_row = verify.rows, verify.per_row
+    rows, per_row = (verify := net._plan_verify_).rows, verify.per_row
     line = _line(verify.passes, verify.room, rows, verify.held)
     max_cost = agree(math.ceil(per_row * planned_rows(rows, line.rows)))
     planned = planned_rows(rows, rows_within(max_cost, per_row, rows))
@@ -307,8 +304,6 @@ def _settle(net, agree):
 def _verified(net):
     """Note the peak of the verifying piece that ran, and plan anew."""
     verify = net._plan_verify_
-    if verify is None or verify.start is None:
-        return
     # from the passes' start: what a step holds besides (the next
     # micro-batch, the optimizers' state after the first step) is not the
     # piece's, and the plan counts it apart
@@ -319,12 +314,14 @@ def _verified(net):
         one_peak, one_after = (value + shift for value in verify.one)
         verify.unused = min(1, max(0, peak - one_peak) / max(one_after - base, 1))
     # one piece alone: that share of what it left, as the next would add
-    alone = 0 if verify.twice else verify.unused * max(0, after - base)
+    unused = 1 if verify.unused is None else verify.unused  # no pair: all
+    alone = 0 if verify.twice else unused * max(0, after - base)
     verify.passes[verify.size] = Pass(peak + alone, base, after, 0)
     net.memory_plan_['verified'].append((verify.size, int(verify.meter.peak())))
     line = _settle(net, int)  # this rank's, for the rest of the group
     verify.start, (verify.size, verify.verifies) = None, _next_pass(
-        verify.passes, line, verify.rows, verify.verifies)
+        verify.passes, line, verify.rows, verify.verifies,
+        paired=verify.unused is not None)
 
 
 def settle_after_group(net):
@@ -348,7 +345,7 @@ def margin(budget):
     return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
 
 
-def _next_pass(passes, line, rows, verifies):
+def _next_pass(passes, line, rows, verifies, paired=False):
     """Return the rows of the plan's next pass (0: none), and the verifies.
 
     Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows``,
@@ -357,17 +354,31 @@ def _next_pass(passes, line, rows, verifies):
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
     the grid, and at most the next above twice the last's (a line is a
     guess): the plan trains only on rows a pass has shown, or between two.
+    Until one was ``paired``, at most half the rows, where that is more
+    than the last's: a pair shows what a later piece adds, which a single
+    piece's measurement otherwise takes to be all it left held; and for
+    that pair, on the line, a later piece is taken to add what the largest
+    pass that fit left held, in proportion to its rows. After a
+    pass or piece that took more than the room, the most rows the line
+    reaches below it: the plan's rows are measured ones, whichever way it
+    came.
     """
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
-    last = max(passes)
-    if last != line.good or verifies >= PLAN_VERIFIES:
-        return 0, verifies
+    last, good = max(passes), line.good
     size = min(2 * last, int(PLAN_PASS_SHARE * rows))
-    if last < size <= line.reach and not verifies:
+    if last == good and last < size <= line.reach and not verifies:
         return size, verifies
-    size = planned_rows(rows, min(line.reach, planned_above(rows, 2 * last) or rows))
-    return (size, verifies + 1) if size > last else (0, verifies)
+    size = planned_rows(rows, line.rows if last != good else min(
+        line.reach, planned_above(rows, 2 * last) or rows))
+    if not paired and good < planned_rows(rows, rows // 2) < size:
+        size = planned_rows(rows, rows // 2)
+    if not paired:  # what the largest pass that fit left held, per row
+        share = max(0, passes[good].after - passes[good].start) / good
+        size = planned_rows(rows, min(size, max(good, int(
+            (line.room - line.peak(0)) / (line.slope + share or 1)))))
+    fresh = good < size and size not in passes and verifies < PLAN_VERIFIES
+    return (size, verifies + 1) if fresh else (0, verifies)
 
 
 class _Line(types.SimpleNamespace):
@@ -503,8 +514,7 @@ def first_step_memory(net, meter):
         if len(optimizer.state):
             continue
         try:
-            probe = type(optimizer)(groups)
-            probe.step()
+            (probe := type(optimizer)(groups)).step()
         except Exception:  # noqa: BLE001 (a class that needs more arguments)
             guessed += 2 * nbytes([group['params'] for group in groups])
             continue

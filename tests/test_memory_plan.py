@@ -175,6 +175,31 @@ class TestPlan:
             # with its verifying pieces, which may take more than the margin
             assert plan['predicted_peak'] <= budget, plan
             assert plan['measured_peak'] <= budget, plan
+            # below a size that took more, a size measured, not a line's
+            measured = {rows for rows, _ in plan['passes'] + plan['verified']}
+            assert plan['micro_batch_size'] in measured, plan
+
+    def test_below_a_size_that_took_more_the_plan_trains_on_a_measured_one(
+            self, clf_data):
+        # pieces above 80 rows take 64 MiB more, which the passes (up to 32
+        # rows) cannot show: the first verifying pieces, of 64 rows, fit;
+        # those above 80 take more than the budget, and the plan goes on
+        # below them, to a size it measured, not one a line between guessed
+        class Jumps(WideNormed):
+            def forward(self, X):
+                out = super().forward(X)
+                if len(X) > 80:
+                    out = out + 0 * torch.ones(8 * MiB, dtype=torch.float64)[:1]
+                return out
+
+        X, y = clf_data[0][:128], clf_data[1][:128]
+        net = fit_seeded(GradAccNeuralNetClassifier(
+            micro_batch_size='auto', memory_budget='48MiB',
+            **dict(WIDE, module=Jumps, max_epochs=6)), X, y)
+        plan = net.memory_plan_
+        verified = [rows for rows, _ in plan['verified']]
+        assert max(verified) > 80 and plan['micro_batch_size'] <= 80, plan
+        assert plan['micro_batch_size'] in verified, plan
 
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
@@ -207,6 +232,11 @@ class TestPlan:
         # the passes measured, and their peaks: rows, bytes
         assert plan['passes'][0][0] == 2 and all(
             peak > 0 for _, peak in plan['passes'])
+        # then pieces in training: a pair of half the batch first, which
+        # shows what a later piece adds, then the whole batch, the plan's
+        assert [rows for rows, _ in plan['verified']] == [64, 128], plan
+        assert plan['micro_batch_size'] == 128 and all(
+            peak > 0 for _, peak in plan['verified'])
         assert net.memory_meter_ is None  # only while a fit runs
 
     def test_exact_with_the_large_batch(self, clf_data):
@@ -370,7 +400,10 @@ def test_long_sequences_are_split_into_more_pieces():
     verified = {rows for rows, _ in plan['verified']}
     assert all(rows == 1 or rows * length <= plan['max_cost'] or rows in verified
                for rows, length in shapes), plan
-    first_epoch = shapes[:len(shapes) // 2]
+    # the first epoch's pieces: its 128 rows (verifying pieces may take
+    # more pieces in it than in the next)
+    ends = np.cumsum([rows for rows, _ in shapes])
+    first_epoch = shapes[:int(np.searchsorted(ends, len(Sequences()))) + 1]
     pieces = {length: sum(1 for _, n in first_epoch if n == length)
               for length in Sequences.lengths}
     assert pieces[64] > pieces[16] >= pieces[8] >= 1, (pieces, plan)
