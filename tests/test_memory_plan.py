@@ -201,6 +201,31 @@ class TestPlan:
         assert max(verified) > 80 and plan['micro_batch_size'] <= 80, plan
         assert plan['micro_batch_size'] in verified, plan
 
+    def test_a_pair_of_pieces_adds_what_the_first_left(self, clf_data):
+        # a module that keeps what its last pass made while the next one
+        # runs, at the same rows only (as MKL's buffers, which the plan's
+        # passes release): a pair of pieces takes 256 KiB a row more than one
+        # piece, which no pass shows; the first verifying pair counts what
+        # the passes left held, and the fit keeps its budget
+        class KeepsLast(WideNormed):
+            def forward(self, X):
+                out = super().forward(X)
+                if self.training:
+                    last = getattr(self, 'kept_', [])[-1:]
+                    self.kept_ = [kept for kept in last if len(kept) == len(X)]
+                    del last
+                    self.kept_.append(torch.ones(len(X), 2 ** 15, dtype=torch.float64))
+                return out
+
+        X, y = clf_data[0][:128], clf_data[1][:128]
+        kwargs = dict(WIDE, module=KeepsLast, max_epochs=3)
+        budget = int(0.4 * whole_batch_peak(kwargs, X, y))
+        plan = fit_seeded(GradAccNeuralNetClassifier(
+            micro_batch_size='auto', memory_budget=budget, **kwargs),
+            X, y).memory_plan_
+        assert 1 < plan['micro_batch_size'] < 128, plan
+        assert plan['measured_peak'] <= budget, plan
+
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
         # the running mean, the dropout draws and Adam's state
