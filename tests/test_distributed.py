@@ -214,7 +214,7 @@ def assert_plan_failed_alike(ranks, max_rows):
     passes = [rank['memory_plan_']['passes'] for rank in ranks]
     assert passes[0] and [[rows for rows, _ in each] for each in passes] == [
         [rows for rows, _ in passes[0]]] * 2
-    assert all(peak for each in passes for _, peak in each)
+    assert all(peak is not None for each in passes for _, peak in each)  # none failed
     verified = ranks[1]['memory_plan_']['verified']
     assert [peak is None for _, peak in verified] == [
         rows > max_rows for rows, _ in verified] and verified[-1][1] is None
