@@ -224,7 +224,8 @@ def plan_memory(net, group, buffers, **fit_params):
     ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
     elements), ``'predicted_peak'`` and, after the fit, ``'measured_peak'``
     (bytes), ``'plan_seconds'`` (the passes'), ``'passes'`` and
-    ``'verified'`` (each one's rows and peak) and ``'method'``. A budget
+    ``'verified'`` (each one's rows and peak), ``'settled'`` (no rank
+    verifies more) and ``'method'``. A budget
     that one row does not fit raises a ValueError before the first step.
     The passes leave no gradient, buffer (``buffers``) or random state
     changed; the verifying pieces train.
@@ -269,13 +270,14 @@ def plan_memory(net, group, buffers, **fit_params):
         'budget': budget, 'method': meter.method, 'measured_peak': None,
         'cost': 'rows' if batch_cost(first) is None else 'elements',
         'plan_seconds': time.perf_counter() - start, 'verified': [],
+        'settled': False,
         'passes': [(size, result and int(result.peak))
                    for size, result in passes.items()]}
     net._plan_verify_ = types.SimpleNamespace(
         passes=passes, room=limit - state - kept, rows=rows, held=meter.held(),
         per_row=cost_per_row(first), size=size, verifies=verifies,
         beside=state + kept, floor=meter.held() + step + kept,
-        meter=meter, start=None, unused=None)
+        meter=meter, start=None, unused=1, paired=False)
     _settle(net, engine.min_over_ranks)
     meter.reset(release=True)  # the fit starts without the passes' caches
 
@@ -297,7 +299,7 @@ def _settle(net, agree):
     net.memory_plan_.update(max_cost=max_cost, micro_batch_size=planned,
                             predicted_peak=int(peak))
     if agree is not int and not verify.size:
-        net._plan_verify_ = None
+        net._plan_verify_, net.memory_plan_['settled'] = None, True
     return line
 
 
@@ -313,15 +315,15 @@ def _verified(net):
     if verify.twice:  # the share of what one piece left that the next added
         one_peak, one_after = (value + shift for value in verify.one)
         verify.unused = min(1, max(0, peak - one_peak) / max(one_after - base, 1))
-    # one piece alone: that share of what it left, as the next would add
-    unused = 1 if verify.unused is None else verify.unused  # no pair: all
-    alone = 0 if verify.twice else unused * max(0, after - base)
+        verify.paired = True
+    # one piece alone: that share of what it left (all, before a pair), as
+    # the next would add
+    alone = 0 if verify.twice else verify.unused * max(0, after - base)
     verify.passes[verify.size] = Pass(peak + alone, base, after, 0)
     net.memory_plan_['verified'].append((verify.size, int(verify.meter.peak())))
     line = _settle(net, int)  # this rank's, for the rest of the group
     verify.start, (verify.size, verify.verifies) = None, _next_pass(
-        verify.passes, line, verify.rows, verify.verifies,
-        paired=verify.unused is not None)
+        verify.passes, line, verify.rows, verify.verifies, verify.paired)
 
 
 def settle_after_group(net):
@@ -354,14 +356,14 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
     the grid, and at most the next above twice the last's (a line is a
     guess): the plan trains only on rows a pass has shown, or between two.
-    Until one was ``paired``, at most half the rows, where that is more
-    than the last's: a pair shows what a later piece adds, which a single
-    piece's measurement otherwise takes to be all it left held; and for
-    that pair, on the line, a later piece is taken to add what the largest
-    pass that fit left held, in proportion to its rows. After a
-    pass or piece that took more than the room, the most rows the line
-    reaches below it: the plan's rows are measured ones, whichever way it
-    came.
+    Until one was ``paired``, at most half the rows, a pair, which shows
+    what a later piece adds (a single piece's measurement takes it to be
+    all it left held); on the line, its later piece adds what the passes
+    left held grew by per row, from the largest that fit of fewer rows to
+    the largest (what a buffer per row left would add; the heap's pages
+    do not grow so). After a pass or piece that took more than the room,
+    the most rows the line reaches below it: the plan's rows are measured
+    ones, whichever way it came.
     """
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
@@ -371,12 +373,13 @@ def _next_pass(passes, line, rows, verifies, paired=False):
         return size, verifies
     size = planned_rows(rows, line.rows if last != good else min(
         line.reach, planned_above(rows, 2 * last) or rows))
-    if not paired and good < planned_rows(rows, rows // 2) < size:
-        size = planned_rows(rows, rows // 2)
-    if not paired:  # what the largest pass that fit left held, per row
-        share = max(0, passes[good].after - passes[good].start) / good
-        size = planned_rows(rows, min(size, max(good, int(
-            (line.room - line.peak(0)) / (line.slope + share or 1)))))
+    if not paired:  # a pair, which adds what grew in what passes left
+        below = max([0] + [each for each in passes if each < good and passes[each]])
+        left = [passes[each].after - passes[each].start if each else 0
+                for each in (below, good)]
+        share = max(0, left[1] - left[0]) / (good - below)
+        size = planned_rows(rows, min(size, max(good, min(rows // 2, int(
+            (line.room - line.peak(0)) / (line.slope + share or 1))))))
     fresh = good < size and size not in passes and verifies < PLAN_VERIFIES
     return (size, verifies + 1) if fresh else (0, verifies)
 
@@ -385,7 +388,7 @@ class _Line(types.SimpleNamespace):
     """What ``_line`` returns: ``peak`` on the line, ``now``."""
 
     def peak(self, rows):
-        return self.peak_1 + self.slope * (rows - self.rows_1)
+        return self.peak_good + self.slope * (rows - self.good)
 
     def now(self, result):
         """Return a pass's peak with what later passes left held."""
@@ -404,8 +407,7 @@ def _line(passes, room, rows, held):
     are ``good``, or its ``reach`` between ``good`` and a pass that took
     more.
     """
-    line = _Line(rows=0, reach=0, good=0, slope=0, rows_1=0, peak_1=0,
-                 room=room, held=held)
+    line = _Line(rows=0, reach=0, good=0, slope=0, peak_good=0, room=room, held=held)
     peaks = {size: result and line.now(result) for size, result in passes.items()}
     over = [size for size, peak in peaks.items() if peak is None or peak > room]
     fits = sorted(size for size in peaks if size not in over)
@@ -424,7 +426,7 @@ def _line(passes, room, rows, held):
     ceiling = min(over + [rows + 1]) - 1
     reach = max(good, min(fit, ceiling))
     line.__dict__.update(rows=reach if above else good, reach=reach, good=good,
-                         slope=slope, rows_1=good, peak_1=peaks[good])
+                         slope=slope, peak_good=peaks[good])
     return line
 
 
@@ -647,8 +649,8 @@ def _back_off(net, group, buffers, size=None):
     net.micro_batch_size_ = size or backed_off_size(group)
     plan = getattr(net, 'memory_plan_', None)
     if plan is not None:
-        plan['max_cost'] = math.ceil(net.micro_batch_size_ * getattr(
-            group, 'cost_per_row', 1.0))
+        plan['settled'], plan['max_cost'] = True, math.ceil(
+            net.micro_batch_size_ * getattr(group, 'cost_per_row', 1.0))
     # each back-off once, in the row of the batch that backed off
     row = net.history[-1]['batches'][-1]
     row['micro_batch_size_backoff'] = row.get(

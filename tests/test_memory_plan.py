@@ -28,6 +28,9 @@ from skorch_gradacc.memory import (
     CPU_ALLOCATOR_ERROR,
     ONEDNN_ERROR,
     PLAN_MARGIN,
+    Pass,
+    _line,
+    _next_pass,
     is_out_of_memory,
     margin,
     parse_budget,
@@ -226,6 +229,22 @@ class TestPlan:
         assert 1 < plan['micro_batch_size'] < 128, plan
         assert plan['measured_peak'] <= budget, plan
 
+    @pytest.mark.parametrize('left_per_row, pair', [(0, 128), (100 * 2 ** 10, 100)])
+    def test_a_pair_counts_what_grows_in_what_passes_left(self, left_per_row, pair):
+        # passes of up to 64 of 256 rows, each 100 KiB a row, leave 4 MiB
+        # held that does not grow with their rows (the heap's pages), and
+        # what grows with them; the line reaches 200 rows: the first pair
+        # is at half the rows where nothing grows, and where 100 KiB a row
+        # does, at the rows where pieces of that line plus it fit
+        passes = {rows: Pass(MiB + 100 * 2 ** 10 * rows, MiB // 2,
+                             MiB // 2 + 4 * MiB + left_per_row * rows, 0)
+                  for rows in (2, 4, 8, 16, 32, 64)}
+        room = MiB + 100 * 2 ** 10 * 200
+        line = _line(passes, room, 256, max(each.after for each in passes.values()))
+        assert line.reach == 200
+        size, verifies = _next_pass(passes, line, 256, 0)
+        assert (size, verifies) == (planned_rows(256, pair), 1)
+
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
         # the running mean, the dropout draws and Adam's state
@@ -262,6 +281,7 @@ class TestPlan:
         assert [rows for rows, _ in plan['verified']] == [64, 128], plan
         assert plan['micro_batch_size'] == 128 and all(
             peak > 0 for _, peak in plan['verified'])
+        assert plan['settled']  # no rank verifies more
         assert net.memory_meter_ is None  # only while a fit runs
 
     def test_exact_with_the_large_batch(self, clf_data):
@@ -446,7 +466,8 @@ class FailsAfterThePlan(Callback):
     train_batch_reads = ()
 
     def on_grad_computed(self, net, **kwargs):
-        net.module_.armed = getattr(net, '_plan_verify_', None) is None  # settled
+        plan = getattr(net, 'memory_plan_', None)  # none on a plain net
+        net.module_.armed = plan is None or plan['settled']
 
 
 class CappedCPU(MLPClassifier):

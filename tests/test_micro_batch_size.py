@@ -46,7 +46,8 @@ class ArmAfterThePlan(Callback):
     train_batch_reads = ()
 
     def on_grad_computed(self, net, **kwargs):
-        net.module_.armed = getattr(net, '_plan_verify_', None) is None
+        plan = getattr(net, 'memory_plan_', None)  # none on a plain net
+        net.module_.armed = plan is None or plan['settled']
 
 
 def backoffs(net):
