@@ -361,9 +361,10 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     all it left held); on the line, its later piece adds what the passes
     left held grew by per row, from the largest that fit of fewer rows to
     the largest (what a buffer per row left would add; the heap's pages
-    do not grow so). After a pass or piece that took more than the room,
-    the most rows the line reaches below it: the plan's rows are measured
-    ones, whichever way it came.
+    do not grow so); a pair at the largest, where the line reaches no
+    further with it, for the rows beyond. After a pass or piece that took
+    more than the room, the most rows the line reaches below it: the plan's
+    rows are measured ones, whichever way it came.
     """
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
@@ -375,12 +376,12 @@ def _next_pass(passes, line, rows, verifies, paired=False):
         line.reach, planned_above(rows, 2 * last) or rows))
     if not paired:  # a pair, which adds what grew in what passes left
         below = max([0] + [each for each in passes if each < good and passes[each]])
-        left = [passes[each].after - passes[each].start if each else 0
-                for each in (below, good)]
-        share = max(0, left[1] - left[0]) / (good - below)
+        left = {n: passes[n].after - passes[n].start for n in (below, good) if n}
+        share = max(0, left[good] - left.get(below, 0)) / (good - below)
         size = planned_rows(rows, min(size, max(good, min(rows // 2, int(
             (line.room - line.peak(0)) / (line.slope + share or 1))))))
-    fresh = good < size and size not in passes and verifies < PLAN_VERIFIES
+    pair = not paired and size == good and 2 * good <= rows  # none beyond it
+    fresh = (pair or good < size and size not in passes) and verifies < PLAN_VERIFIES
     return (size, verifies + 1) if fresh else (0, verifies)
 
 

@@ -229,13 +229,15 @@ class TestPlan:
         assert 1 < plan['micro_batch_size'] < 128, plan
         assert plan['measured_peak'] <= budget, plan
 
-    @pytest.mark.parametrize('left_per_row, pair', [(0, 128), (100 * 2 ** 10, 100)])
+    @pytest.mark.parametrize('left_per_row, pair', [
+        (0, 128), (100 * 2 ** 10, 100), (300 * 2 ** 10, 64)])
     def test_a_pair_counts_what_grows_in_what_passes_left(self, left_per_row, pair):
         # passes of up to 64 of 256 rows, each 100 KiB a row, leave 4 MiB
         # held that does not grow with their rows (the heap's pages), and
-        # what grows with them; the line reaches 200 rows: the first pair
-        # is at half the rows where nothing grows, and where 100 KiB a row
-        # does, at the rows where pieces of that line plus it fit
+        # what grows with them; the line reaches 200 rows. The first pair
+        # is at half the rows where nothing grows; where 100 KiB a row
+        # does, at the rows where pieces of the line plus it fit; where
+        # 300 KiB does, at the largest pass's rows, which measures it
         passes = {rows: Pass(MiB + 100 * 2 ** 10 * rows, MiB // 2,
                              MiB // 2 + 4 * MiB + left_per_row * rows, 0)
                   for rows in (2, 4, 8, 16, 32, 64)}
@@ -244,6 +246,9 @@ class TestPlan:
         assert line.reach == 200
         size, verifies = _next_pass(passes, line, 256, 0)
         assert (size, verifies) == (planned_rows(256, pair), 1)
+        # once paired, the line's, at most the grid's next above twice 64
+        assert _next_pass(passes, line, 256, 1, paired=True) == (
+            planned_above(256, 128), 2)
 
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
