@@ -380,7 +380,8 @@ def _next_pass(passes, line, rows, verifies, paired=False):
         share = max(0, left[good] - left.get(below, 0)) / (good - below)
         size = planned_rows(rows, min(size, max(good, min(rows // 2, int(
             (line.room - line.peak(0)) / (line.slope + share or 1))))))
-    pair = not paired and size == good and 2 * good <= rows  # none beyond it
+    # where that line reaches no further: a pair at good, which measures it
+    pair = not paired and size == good and 2 * good <= rows
     fresh = (pair or good < size and size not in passes) and verifies < PLAN_VERIFIES
     return (size, verifies + 1) if fresh else (0, verifies)
 
