@@ -380,10 +380,10 @@ def _next_pass(passes, line, rows, verifies, paired=False):
         share = max(0, left[good] - left.get(below, 0)) / (good - below)
         size = planned_rows(rows, min(size, max(good, min(rows // 2, int(
             (line.room - line.peak(0)) / (line.slope + share or 1))))))
-    # where that line reaches no further: a pair at good, which measures it
-    pair = not paired and size == good and 2 * good <= rows
-    fresh = (pair or good < size and size not in passes) and verifies < PLAN_VERIFIES
-    return (size, verifies + 1) if fresh else (0, verifies)
+    # rows above good run no pass twice (the line stops below those that
+    # took more); before a pair, where that line stops at good, a pair there
+    fresh = good < size or not paired and size == good and 2 * good <= rows
+    return (size, verifies + 1) if fresh and verifies < PLAN_VERIFIES else (0, verifies)
 
 
 class _Line(types.SimpleNamespace):
