@@ -350,8 +350,8 @@ def margin(budget):
 def _next_pass(passes, line, rows, verifies, paired=False):
     """Return the rows of the plan's next pass (0: none), and the verifies.
 
-    Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows``,
-    where the line says they fit: a pass near the budget would be the
+    Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows`` on
+    the grid, where the line says they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
     the grid, and at most the next above twice the last's (a line is a
@@ -369,7 +369,7 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
     last, good = max(passes), line.good
-    size = min(2 * last, int(PLAN_PASS_SHARE * rows))
+    size = min(2 * last, planned_rows(rows, int(PLAN_PASS_SHARE * rows)))
     if last == good and last < size <= line.reach and not verifies:
         return size, verifies
     size = planned_rows(rows, line.rows if last != good else min(

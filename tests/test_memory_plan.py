@@ -250,6 +250,23 @@ class TestPlan:
         assert _next_pass(passes, line, 256, 1, paired=True) == (
             planned_above(256, 128), 2)
 
+    @pytest.mark.parametrize('rows', [100, 256])
+    def test_the_passes_run_on_the_grid_and_end_in_a_pair(self, rows):
+        # passes of 100 KiB a row that leave 1 MiB a row held: the line
+        # with what they left reaches no further than the last doubling
+        # pass, on the grid (22 of 100 rows, not a quarter, 25), so that
+        # the first pair runs at its rows, which the plan then trains on
+        passes, size, verifies, sizes = {}, 2, 0, []
+        while size and not verifies:
+            sizes.append(size)
+            passes[size] = Pass(MiB + 100 * 2 ** 10 * size, MiB // 2,
+                                MiB + MiB * size, 0)
+            line = _line(passes, MiB + 100 * 2 ** 10 * 200, rows,
+                         passes[size].after)
+            size, verifies = _next_pass(passes, line, rows, verifies)
+        assert all(planned_rows(rows, each) == each for each in sizes), sizes
+        assert (size, verifies) == (max(sizes), 1), sizes
+
     def test_the_plan_leaves_no_trace(self, clf_data):
         # the planned run equals a run at its planned size from the start:
         # the running mean, the dropout draws and Adam's state
