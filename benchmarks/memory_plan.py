@@ -8,9 +8,8 @@ warm-up fit (torch's optimizer machinery, ~64 MiB). Peaks from outside the packa
 which resets ``VmHWM``: a memory cgroup (v1) per process, its peak reset before
 ``fit`` after ``malloc_trim``, less the usage then (no cgroups: ``RssAnon`` each ms);
 ``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes, bisected
-(to 10%) for the largest whose fits, repeated as ``'auto'``'s, all stay within the
-budget, run uncapped after ``fix_malloc_threshold`` as ``'auto'`` does; at the middle
-budget, ``RLIMIT_AS``.
+(to 10%) for the largest whose repeats all stay within the budget, run uncapped after
+``fix_malloc_threshold`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``.
 """
 
 import ctypes
@@ -175,8 +174,7 @@ def spawn(**args):
 def largest_fitting(fits, start, high, tolerance=1.1):
     """The largest ``n <= high`` with ``fits(n)``, doubling from ``start``, then
     bisecting to ``tolerance``; and the least that failed (None: none failed)."""
-    low, fail = 0, high + 1
-    n = max(1, min(start, high))
+    low, fail, n = 0, high + 1, max(1, min(start, high))
     while fail - low > 1 and fail > tolerance * low:
         low, fail = (n, fail) if fits(n) else (low, n)
         n = (min(2 * low, high) if fail > high else int((low * fail) ** 0.5)
@@ -193,13 +191,11 @@ def measure(name, budget, quick):
     fits = [spawn(kind='auto', params=auto, **run) for _ in range(REPEATS[quick])]
     plans = [(fit, fit['plan']) for fit in fits if fit['plan']]
 
-    def within(n):  # as 'auto' is held to: every repeat within the budget
-        for _ in range(REPEATS[quick]):  # the highest peak: None if one failed
-            probe = spawn(kind='fixed', params={'micro_batch_size': n}, **run)
-            probes[n] = None if probe['error'] else max(probe['peak'], probes.get(n, 0))
-            if probes[n] is None or probes[n] > budget * MiB:
-                return False
-        return True
+    def within(n, repeats=REPEATS[quick]):  # all within, as 'auto'; the highest peak
+        probe = spawn(kind='fixed', params={'micro_batch_size': n}, **run)
+        probes[n] = None if probe['error'] else max(probe['peak'], probes.get(n, 0))
+        return probes[n] is not None and probes[n] <= budget * MiB and (
+            repeats <= 1 or within(n, repeats - 1))
     chosen = [(fit['plan'] or {}).get('micro_batch_size') for fit in fits]
     largest, over = largest_fitting(within, min(filter(None, chosen), default=1),
                                     batch_size, TOLERANCE[quick])
@@ -306,8 +302,7 @@ def main(argv=None):
             str(budget): fits[name, budget].result() for budget in budgets}}
             for name, (B, n, budgets) in workloads.items()}
     results['meta']['method'] = fits[next(iter(fits))].result()['fits'][0]['method']
-    results['seconds'] = time.perf_counter() - start
-    results['targets'] = targets(results)
+    results.update(seconds=time.perf_counter() - start, targets=targets(results))
     harness.save(args.out, 'memory_plan', results, markdown(results), **tables(results))
     return 0
 
