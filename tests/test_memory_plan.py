@@ -155,8 +155,9 @@ class TestPlan:
         assert 1 < plan['micro_batch_size'] < 128, plan
         assert plan['measured_peak'] <= budget, plan
         assert plan['predicted_peak'] <= budget - margin(budget), plan
-        assert net.history[:, 'micro_batch_size'] == [
-            plan['micro_batch_size']] * 2
+        # the plan may go on verifying in the second step (at most
+        # PLAN_VERIFIES pairs in the first steps); the last epoch trains on it
+        assert net.history[-1, 'micro_batch_size'] == plan['micro_batch_size']
 
     def test_budgets_at_the_edge_of_a_pass(self, clf_data):
         # budgets that a pass of the plan at 1GiB would fit without the
