@@ -65,13 +65,6 @@ PLAN_PASS_SHARE = 0.25
 # train, so that many cost no time
 PLAN_VERIFIES = 6
 
-# beyond the largest pass or piece that fit, the plan goes at most this
-# share of the way to where the line reaches (the line at twice its slope):
-# a cost per row can jump as pieces grow (the benchmark's GRU took 1.6
-# times as much a row from 16 to 32 rows as from 8 to 16), and a pass or
-# piece over the room would be the fit's peak
-PLAN_SHARE_BEYOND = 0.5
-
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
                  'gib': 2 ** 30, 'tib': 2 ** 40}
@@ -213,8 +206,8 @@ def plan_memory(net, group, buffers, **fit_params):
     2. passes, forward and backward beside zero gradients (as a step's
        later pieces), on the first rows of the group's first micro-batch:
        2 rows (1 if they take too much), then twice the rows of the last,
-       up to ``PLAN_PASS_SHARE`` of them, while half the way to where the
-       line (``_line``) reaches says the next fits;
+       up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
+       the next fits;
     3. then, in training, up to ``PLAN_VERIFIES`` pairs of pieces of the
        first steps (``micro_batch_pieces``), at the most rows the line
        reaches, or below a size that took more (``_next_pass``): they cost
@@ -240,7 +233,8 @@ def plan_memory(net, group, buffers, **fit_params):
     engine, start = net.get_engine(), time.perf_counter()
     first = next(iter(group.micro_batches()), None)  # the group keeps it
     rows = 0 if first is None else batch_len(first)
-    meter = getattr(net, 'memory_meter_', None) or MemoryMeter(net.device or 'cpu')
+    meter = getattr(net, 'memory_meter_', None) or MemoryMeter(
+        net.device or 'cpu')
     budget = parse_budget(net.memory_budget) or meter.available
     if not engine.all_ranks(meter.method is not None and budget is not None
                             and rows >= 1):
@@ -270,7 +264,8 @@ def plan_memory(net, group, buffers, **fit_params):
     smallest = passes[min(passes)]
     if smallest is None:
         raise RuntimeError(_ONE_ROW)
-    _refuse_unless(net, engine, line.good, budget, line.now(smallest) + state + kept)
+    _refuse_unless(net, engine, line.good, budget,
+                   line.now(smallest) + state + kept)
     net.memory_plan_ = {
         'budget': budget, 'method': meter.method, 'measured_peak': None,
         'cost': 'rows' if batch_cost(first) is None else 'elements',
@@ -356,11 +351,10 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     """Return the rows of the plan's next pass (0: none), and the verifies.
 
     Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows`` on
-    the grid, where the line says they fit, going ``PLAN_SHARE_BEYOND`` of
-    the way (``beyond`` of ``_line``): a pass near the budget would be the
+    the grid, where the line says they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
-    ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches so,
-    on the grid, and at most the next above twice the last's (a line is a
+    ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
+    the grid, and at most the next above twice the last's (a line is a
     guess): the plan trains only on rows a pass has shown, or between two.
     Until one was ``paired``, at most half the rows, a pair, which shows
     what a later piece adds (a single piece's measurement takes it to be
@@ -376,10 +370,10 @@ def _next_pass(passes, line, rows, verifies, paired=False):
         return (1 if min(passes) > 1 else 0), verifies
     last, good = max(passes), line.good
     size = min(2 * last, planned_rows(rows, int(PLAN_PASS_SHARE * rows)))
-    if last == good and last < size <= line.beyond and not verifies:
+    if last == good and last < size <= line.reach and not verifies:
         return size, verifies
     size = planned_rows(rows, line.rows if last != good else min(
-        line.beyond, planned_above(rows, 2 * last) or rows))
+        line.reach, planned_above(rows, 2 * last) or rows))
     if not paired:  # a pair, which adds what grew in what passes left
         below = max([0] + [each for each in passes if each < good and passes[each]])
         left = {n: passes[n].after - passes[n].start for n in (below, good) if n}
@@ -413,8 +407,7 @@ def _line(passes, room, rows, held):
     ``reach`` is at least ``good``, at most ``rows``, below any pass that
     took more, and ``good`` where a pass failed; its ``rows``, the plan's,
     are ``good``, or its ``reach`` between ``good`` and a pass that took
-    more; ``beyond``, ``PLAN_SHARE_BEYOND`` of the way from ``good`` to
-    where it reaches, or the grid's next above ``good``, at most ``reach``.
+    more.
     """
     line = _Line(rows=0, reach=0, good=0, slope=0, peak_good=0, room=room, held=held)
     peaks = {size: result and line.now(result) for size, result in passes.items()}
@@ -435,9 +428,7 @@ def _line(passes, room, rows, held):
     ceiling = min(over + [rows + 1]) - 1
     reach = max(good, min(fit, ceiling))
     line.__dict__.update(rows=reach if above else good, reach=reach, good=good,
-                         slope=slope, peak_good=peaks[good], beyond=min(reach, max(
-                             good + int(PLAN_SHARE_BEYOND * (fit - good)),
-                             planned_above(rows, good) or rows)))
+                         slope=slope, peak_good=peaks[good])
     return line
 
 

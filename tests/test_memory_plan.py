@@ -247,26 +247,9 @@ class TestPlan:
         assert line.reach == 200
         size, verifies = _next_pass(passes, line, 256, 0)
         assert (size, verifies) == (planned_rows(256, pair), 1)
-        # once paired, where the line at twice its slope reaches (132 rows),
-        # on the grid; with more room, at most the grid's next above 2 x 64
-        assert _next_pass(passes, line, 256, 1, paired=True) == (128, 2)
-        line = _line(passes, room + 100 * 2 ** 10 * 200, 256, line.held)
+        # once paired, the line's, at most the grid's next above twice 64
         assert _next_pass(passes, line, 256, 1, paired=True) == (
             planned_above(256, 128), 2)
-
-    @pytest.mark.parametrize('room_rows, expected', [(36, 26), (20, 19)])
-    def test_beyond_its_passes_the_plan_takes_twice_their_slope(
-            self, room_rows, expected):
-        # passes of 100 KiB a row up to 16 of 128 rows, whose line reaches
-        # ``room_rows``: no doubling pass at 32 rows where the line at twice
-        # its slope stops below them (a cost per row can jump), but a pair
-        # at the rows it reaches (16 + 20 / 2 = 26); and where that is
-        # below the grid's next (19), the next, if the line reaches it
-        passes = {rows: Pass(MiB + 100 * 2 ** 10 * rows, MiB // 2, MiB, 0)
-                  for rows in (2, 4, 8, 16)}
-        line = _line(passes, MiB + 100 * 2 ** 10 * room_rows, 128, MiB)
-        assert (line.good, line.reach) == (16, room_rows)
-        assert _next_pass(passes, line, 128, 0) == (expected, 1)
 
     @pytest.mark.parametrize('rows', [100, 256])
     def test_the_passes_run_on_the_grid_and_end_in_a_pair(self, rows):
