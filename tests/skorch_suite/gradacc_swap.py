@@ -205,9 +205,25 @@ def _out_of_scope():
     return out
 
 
+def _any_free_port(tcp_store):
+    """``tcp_store``, with a free port for a store of one process.
+
+    test_history's shared-history fixture opens one on port 1234: two
+    suites at once on one machine (two checkouts' CI) collide there.
+    """
+    def store(host, port, world_size, is_master, **kwargs):
+        if world_size == 1 and is_master:
+            port = 0
+        return tcp_store(host, port, world_size, is_master, **kwargs)
+    return store
+
+
 def pytest_collection_modifyitems(config, items):
     selected, deselected = [], []
     out = _out_of_scope()
+    for module in {item.module for item in items if hasattr(item, 'module')}:
+        if module.__name__.rsplit('.', 1)[-1] == 'test_history':
+            module.TCPStore = _any_free_port(module.TCPStore)
     for item in items:
         name = item.name.split('[')[0]
         (deselected if name in out else selected).append(item)
