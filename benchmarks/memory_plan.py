@@ -9,7 +9,7 @@ which resets ``VmHWM``: a memory cgroup (v1) per process, its peak reset before
 ``fit`` after ``malloc_trim``, less the usage then (no cgroups: ``RssAnon`` each ms);
 ``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes, bisected
 (to 10%) for the largest whose repeats all stay within the budget, run uncapped after
-``fix_malloc_threshold`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``.
+``tensors_off_the_heap`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``.
 """
 
 import ctypes
@@ -34,7 +34,7 @@ import skorch_gradacc
 from benchmarks import harness
 from benchmarks.stream_memory import VOCAB, TokenCrossEntropy, TokenHead
 from benchmarks.workloads import cnn, mlp
-from skorch_gradacc.memory import fix_malloc_threshold
+from skorch_gradacc.meters import tensors_off_the_heap
 
 MiB = 2 ** 20
 #: name: (B, batches, budgets in MiB): tight ~2x one row's need, >= 32; large ~ B's peak
@@ -106,7 +106,6 @@ def child(name, kind, batch_size, batches, budget, params, cgroup):
     """One fit in this fresh process (see above), and what it measured."""
     (warm := make(name, False, 4, 8, micro_batch_size=2))[0].fit(*warm[1:])  # warm-up
     net, X, y, warm = *make(name, False, batch_size, batch_size * batches, **params), 0
-    fix_malloc_threshold()  # as 'auto' does at its fit's start, for fixed sizes too
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)  # the heap's free memory is not the fit's
     if kind == 'rlimit_as':
@@ -123,7 +122,8 @@ def child(name, kind, batch_size, batches, budget, params, cgroup):
             'RssAnon') * 1024 for _ in iter(lambda: done.wait(0.001), True))).start()
     error, clock = None, time.perf_counter()
     try:
-        net.fit(X, y)
+        with tensors_off_the_heap():  # as 'auto' does at its fit's start, for all
+            net.fit(X, y)
     except (RuntimeError, MemoryError, ValueError) as exc:
         error = '{}: {}'.format(type(exc).__name__, exc).splitlines()[0][:200]
     seconds = time.perf_counter() - clock

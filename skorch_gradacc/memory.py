@@ -37,7 +37,7 @@ from skorch_gradacc.counting import (
     restore_buffers,
     snapshot_buffers,
 )
-from skorch_gradacc.meters import MemoryMeter, fix_malloc_threshold
+from skorch_gradacc.meters import MemoryMeter, tensors_off_the_heap
 
 __all__ = ['is_out_of_memory', 'margin', 'parse_budget', 'plan_memory']
 
@@ -101,24 +101,24 @@ def parse_budget(value):
 def fit_memory(net):
     """Measure a fit with ``micro_batch_size='auto'``, from its start.
 
-    Around the outermost ``fit`` or ``partial_fit``: keeps malloc's
-    threshold on the CPU
-    (:func:`~skorch_gradacc.meters.fix_malloc_threshold`), then the fit's
+    Around the outermost ``fit`` or ``partial_fit``: on the CPU, tensors
+    get mappings of their own
+    (:func:`~skorch_gradacc.meters.tensors_off_the_heap`), then the fit's
     meter is ``net.memory_meter_``; after it, the plan records the fit's
     peak as ``'measured_peak'``.
     """
     if net.micro_batch_size != 'auto' or getattr(net, 'memory_meter_', None):
         yield
         return
-    if torch.device(net.device or 'cpu').type == 'cpu':
-        fix_malloc_threshold()
-    net.memory_meter_ = meter = MemoryMeter(net.device or 'cpu')
-    try:
-        yield
-    finally:
-        net.memory_meter_ = None
-        if getattr(net, 'memory_plan_', None) is not None:
-            net.memory_plan_['measured_peak'] = meter.highest()
+    cpu = torch.device(net.device or 'cpu').type == 'cpu'
+    with tensors_off_the_heap() if cpu else contextlib.nullcontext():
+        net.memory_meter_ = meter = MemoryMeter(net.device or 'cpu')
+        try:
+            yield
+        finally:
+            net.memory_meter_ = None
+            if getattr(net, 'memory_plan_', None) is not None:
+                net.memory_plan_['measured_peak'] = meter.highest()
 
 
 # Pieces

@@ -4,8 +4,8 @@
 as containers and GPUs count it: on the CPU, resident memory, which a
 container's cgroup limits; on CUDA, what torch's caching allocator
 reserves. :func:`available_memory` reads what a device still gives, and
-:func:`fix_malloc_threshold` keeps glibc's malloc from holding on to what
-tensors free; the plan of ``micro_batch_size='auto'``
+:func:`fix_malloc_threshold` and :func:`tensors_off_the_heap` keep glibc's
+malloc from holding on to what tensors free; the plan of ``micro_batch_size='auto'``
 (:mod:`skorch_gradacc.memory`) uses them. :func:`track_activation_memory`
 counts the tensors autograd saves for backward: the activation memory that
 smaller micro-batches shrink.
@@ -19,7 +19,8 @@ import os
 import torch
 
 __all__ = ['ActivationMemory', 'MemoryMeter', 'available_memory',
-           'fix_malloc_threshold', 'track_activation_memory']
+           'fix_malloc_threshold', 'tensors_off_the_heap',
+           'track_activation_memory']
 
 # glibc's default mmap threshold, which fix_malloc_threshold keeps
 MALLOC_THRESHOLD = 128 * 2 ** 10
@@ -113,6 +114,21 @@ def _load_libc():
 
 
 _LIBC = _load_libc()
+if _LIBC is not None:
+    _LIBC.malloc.restype, _LIBC.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    _LIBC.free.argtypes = [ctypes.c_void_p]
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 on)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks',
+        'uordblks', 'fordblks', 'keepcost')]
+
+
+if hasattr(_LIBC, 'mallinfo2'):
+    _LIBC.mallinfo2.restype = _MallInfo2
 
 
 def _load_mkl_free_buffers():
@@ -159,6 +175,62 @@ def fix_malloc_threshold():
         return False
     return bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MALLOC_THRESHOLD)
                 and _LIBC.mallopt(_M_TRIM_THRESHOLD, MALLOC_THRESHOLD))
+
+
+@contextlib.contextmanager
+def tensors_off_the_heap():
+    """Give tensors of 128 KiB or more mappings of their own, for a while.
+
+    :func:`fix_malloc_threshold`, then, where it did, holds the heap's free
+    blocks of at least the threshold, untouched (their pages given back
+    first), until the end. What a threshold that had moved left there
+    (free blocks of a process that held large arrays before) would take
+    such tensors, and keep them resident after they are freed, so resident
+    memory would depend on where each one landed: the peaks of passes at the
+    same rows, in one process, would differ by a tensor's size (2 MiB in
+    the benchmark's MLP), one time in two. A mapping of its own goes back to
+    the OS when freed. A fit with ``micro_batch_size='auto'`` on the CPU
+    does this.
+
+    Examples
+    --------
+    >>> with tensors_off_the_heap():
+    ...     x = torch.ones(2 ** 20)
+    >>> float(x.sum())
+    1048576.0
+
+    """
+    blocks = _take_free_heap_blocks() if fix_malloc_threshold() else []
+    try:
+        yield
+    finally:
+        for block in blocks:
+            _LIBC.free(block)
+
+
+def _take_free_heap_blocks():
+    """Take the heap's free blocks of ``MALLOC_THRESHOLD`` or more.
+
+    The largest that malloc gives without a mapping of its own or a heap
+    grown (``mallinfo2`` says which), halving the size when it cannot.
+    """
+    if not hasattr(_LIBC, 'mallinfo2'):
+        return []
+    _LIBC.malloc_trim(0)  # held blocks stay as they are: out of memory
+    blocks, size = [], _LIBC.mallinfo2().fordblks
+    # at most what was free: another thread's blocks could look like ours
+    left = size
+    while size >= MALLOC_THRESHOLD:
+        before = _LIBC.mallinfo2()
+        block = _LIBC.malloc(size) if size <= left else None
+        after = _LIBC.mallinfo2()
+        if block and (after.hblks, after.arena) == (before.hblks, before.arena):
+            blocks.append(block)
+            left -= size
+        else:
+            _LIBC.free(block)
+            size //= 2
+    return blocks
 
 
 def _startup_environ():

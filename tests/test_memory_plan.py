@@ -797,6 +797,28 @@ def test_malloc_threshold_is_left_to_a_process_that_set_it():
     assert outputs == ['True', 'False', 'False', 'True']
 
 
+def test_tensors_freed_off_the_heap_leave_nothing_resident():
+    # a process whose threshold moved (a freed 8 MiB tensor) has free blocks
+    # on the heap (freed 2 MiB tensors, between live ones); a tensor that
+    # lands in one stays resident after it is freed, so a peak depended on
+    # where each landed, unless the blocks are held: then it is unmapped
+    code = (
+        'import sys, torch; from skorch_gradacc import meters\n'
+        'big = torch.ones(2 ** 21); del big\n'
+        'keep = [torch.ones(2 ** 19) for _ in range(8)]; del keep[::2]\n'
+        'held = meters.tensors_off_the_heap() if sys.argv[1:] else None\n'
+        'held.__enter__() if held else meters.fix_malloc_threshold()\n'
+        'meters._LIBC.malloc_trim(0); meter = meters.MemoryMeter("cpu")\n'
+        'x = torch.ones(2 ** 18); del x; print(meter.held() / 2 ** 20)')
+    users = {key: value for key, value in os.environ.items()
+             if not key.startswith(('MALLOC_', 'GLIBC_TUNABLES'))}
+    held_mib = [float(subprocess.run(
+        [sys.executable, '-c', code, *held], capture_output=True, text=True,
+        env=dict(users, PYTHONPATH=os.pathsep.join(sys.path)),
+        check=True).stdout) for held in ([], ['held'])]
+    assert held_mib[0] >= 0.9 and held_mib[1] <= 0.1, held_mib
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_plan_on_cuda_under_a_memory_fraction(clf_data):
