@@ -117,18 +117,7 @@ _LIBC = _load_libc()
 if _LIBC is not None:
     _LIBC.malloc.restype, _LIBC.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     _LIBC.free.argtypes = [ctypes.c_void_p]
-
-
-class _MallInfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2`` (2.33 on)."""
-
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks',
-        'uordblks', 'fordblks', 'keepcost')]
-
-
-if hasattr(_LIBC, 'mallinfo2'):
-    _LIBC.mallinfo2.restype = _MallInfo2
+    _LIBC.sbrk.restype, _LIBC.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
 
 
 def _load_mkl_free_buffers():
@@ -211,22 +200,17 @@ def tensors_off_the_heap():
 def _take_free_heap_blocks():
     """Take the heap's free blocks of ``MALLOC_THRESHOLD`` or more.
 
-    The largest that malloc gives without a mapping of its own or a heap
-    grown (``mallinfo2`` says which), halving the size when it cannot.
+    The largest that malloc gives below the program break without moving
+    it (a mapping of its own or a heap grown go back), from 1 TiB down by
+    halves. A thread's own arena keeps its free blocks.
     """
-    if not hasattr(_LIBC, 'mallinfo2'):
-        return []
-    _LIBC.malloc_trim(0)  # held blocks stay as they are: out of memory
-    blocks, size = [], _LIBC.mallinfo2().fordblks
-    # at most what was free: another thread's blocks could look like ours
-    left = size
+    _LIBC.malloc_trim(0)  # first: the pages of blocks held stay given back
+    blocks, size = [], 2 ** 40
     while size >= MALLOC_THRESHOLD:
-        before = _LIBC.mallinfo2()
-        block = _LIBC.malloc(size) if size <= left else None
-        after = _LIBC.mallinfo2()
-        if block and (after.hblks, after.arena) == (before.hblks, before.arena):
+        end = _LIBC.sbrk(0)
+        block = _LIBC.malloc(size)
+        if block and block < end == _LIBC.sbrk(0):
             blocks.append(block)
-            left -= size
         else:
             _LIBC.free(block)
             size //= 2
