@@ -178,8 +178,8 @@ def tensors_off_the_heap():
     memory would depend on where each one landed: the peaks of passes at the
     same rows, in one process, would differ by a tensor's size (2 MiB in
     the benchmark's MLP), one time in two. A mapping of its own goes back to
-    the OS when freed. A fit with ``micro_batch_size='auto'`` on the CPU
-    does this.
+    the OS when freed. Under a limit of address space (``RLIMIT_AS``) it
+    holds none. A fit with ``micro_batch_size='auto'`` on the CPU does this.
 
     Examples
     --------
@@ -200,17 +200,26 @@ def tensors_off_the_heap():
 def _take_free_heap_blocks():
     """Take the heap's free blocks of ``MALLOC_THRESHOLD`` or more.
 
-    The largest that malloc gives below the program break without moving
-    it (a mapping of its own or a heap grown go back), from 1 TiB down by
-    halves. A thread's own arena keeps its free blocks.
+    Blocks that malloc gives below the program break without moving it (a
+    mapping of its own or a heap grown go back), from the threshold up,
+    twice the size after each, half after each miss. None under a limit of
+    address space or data: a malloc that fails there can move the thread
+    to another of malloc's arenas for good (later fits failed in oneDNN).
+    A thread's own arena keeps its blocks.
     """
+    import resource  # Unix's, as glibc is
+
+    if any(resource.getrlimit(limit)[0] != resource.RLIM_INFINITY
+           for limit in (resource.RLIMIT_AS, resource.RLIMIT_DATA)):
+        return []
     _LIBC.malloc_trim(0)  # first: the pages of blocks held stay given back
-    blocks, size = [], 2 ** 40
+    blocks, size = [], MALLOC_THRESHOLD
     while size >= MALLOC_THRESHOLD:
         end = _LIBC.sbrk(0)
         block = _LIBC.malloc(size)
         if block and block < end == _LIBC.sbrk(0):
             blocks.append(block)
+            size *= 2
         else:
             _LIBC.free(block)
             size //= 2

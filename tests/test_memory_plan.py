@@ -819,6 +819,33 @@ def test_tensors_freed_off_the_heap_leave_nothing_resident():
     assert held_mib[0] >= 0.9 and held_mib[1] <= 0.1, held_mib
 
 
+@pytest.mark.slow
+def test_a_fit_under_a_cap_of_address_space_leaves_the_process_sound():
+    # under the cap, a malloc that fails (a block held for the fit, larger
+    # than what is left) moved the thread to another of malloc's arenas for
+    # good; the whole batch's fit then failed in oneDNN once the cap was
+    # lifted (2 runs in 3): under a cap, the fit holds no heap blocks
+    code = (
+        'import resource; from benchmarks import harness\n'
+        'from benchmarks.memory_plan import make, MiB\n'
+        'make("cnn", False, 4, 8, micro_batch_size=2)[0].fit(*make("cnn", '
+        'False, 4, 8)[1:])\n'
+        'net, X, y = make("cnn", False, 256, 512, micro_batch_size="auto", '
+        'memory_budget=64 * MiB)\n'
+        'resource.setrlimit(resource.RLIMIT_AS, (harness._status_kib("VmSize")'
+        ' * 1024 + 64 * MiB, resource.RLIM_INFINITY))\n'
+        'net.fit(X, y)\n'
+        'resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)\n'
+        'make("cnn", True, 256, 1)[0].fit(X, y)')
+    users = {key: value for key, value in os.environ.items() if not key.startswith(
+        ('MALLOC_', 'GLIBC_TUNABLES', 'OMP_NUM_THREADS'))}  # threads' arenas too
+    for _ in range(3):
+        run = subprocess.run(
+            [sys.executable, '-c', code], capture_output=True, text=True,
+            env=dict(users, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert run.returncode == 0, run.stderr[-2000:]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 def test_plan_on_cuda_under_a_memory_fraction(clf_data):
