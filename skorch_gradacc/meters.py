@@ -176,9 +176,8 @@ def tensors_off_the_heap():
     (free blocks of a process that held large arrays before) would take
     such tensors, and keep them resident after they are freed, so resident
     memory would depend on where each one landed: the peaks of passes at the
-    same rows, in one process, would differ by a tensor's size (2 MiB in
-    the benchmark's MLP), one time in two. A mapping of its own goes back to
-    the OS when freed. Under a limit of address space (``RLIMIT_AS``) it
+    same rows, in one process, would differ by a tensor's size, now and
+    then. A mapping of its own goes back to the OS when freed. Under a limit of address space (``RLIMIT_AS``) it
     holds none. A fit with ``micro_batch_size='auto'`` on the CPU does this.
 
     Examples
