@@ -5,10 +5,10 @@ as containers and GPUs count it: on the CPU, resident memory, which a
 container's cgroup limits; on CUDA, what torch's caching allocator
 reserves. :func:`available_memory` reads what a device still gives, and
 :func:`fix_malloc_threshold` and :func:`tensors_off_the_heap` keep glibc's
-malloc from holding on to what tensors free; the plan of ``micro_batch_size='auto'``
-(:mod:`skorch_gradacc.memory`) uses them. :func:`track_activation_memory`
-counts the tensors autograd saves for backward: the activation memory that
-smaller micro-batches shrink.
+malloc from holding on to what tensors free; the plan of
+``micro_batch_size='auto'`` (:mod:`skorch_gradacc.memory`) uses them.
+:func:`track_activation_memory` counts the tensors autograd saves for
+backward: the activation memory that smaller micro-batches shrink.
 """
 
 import contextlib
@@ -177,8 +177,9 @@ def tensors_off_the_heap():
     such tensors, and keep them resident after they are freed, so resident
     memory would depend on where each one landed: the peaks of passes at the
     same rows, in one process, would differ by a tensor's size, now and
-    then. A mapping of its own goes back to the OS when freed. Under a limit of address space (``RLIMIT_AS``) it
-    holds none. A fit with ``micro_batch_size='auto'`` on the CPU does this.
+    then. A mapping of its own goes back to the OS when freed. Under a
+    limit of address space (``RLIMIT_AS``) it holds none. A fit with
+    ``micro_batch_size='auto'`` on the CPU does this.
 
     Examples
     --------

@@ -821,10 +821,10 @@ def test_tensors_freed_off_the_heap_leave_nothing_resident():
 
 @pytest.mark.slow
 def test_a_fit_under_a_cap_of_address_space_leaves_the_process_sound():
-    # under the cap, a malloc that fails (a block held for the fit, larger
-    # than what is left) moved the thread to another of malloc's arenas for
-    # good; the whole batch's fit then failed in oneDNN once the cap was
-    # lifted (2 runs in 3): under a cap, the fit holds no heap blocks
+    # under the cap, a malloc that failed (a probe for a heap block to hold,
+    # larger than the cap left) could move the thread to another of
+    # malloc's arenas for good; the whole batch's fit then failed in oneDNN
+    # once the cap was lifted (2 runs in 3): under a cap, no blocks are held
     code = (
         'import resource; from benchmarks import harness\n'
         'from benchmarks.memory_plan import make, MiB\n'
