@@ -779,18 +779,25 @@ def test_trains_under_a_cap_where_the_large_batch_fails():
                                    atol=PARAM_ATOL, msg=key)
 
 
+def run_in_users_process(code, *args, clear=(), check=True, **env):
+    """Run ``python -c code *args`` in a fresh process, malloc's settings as
+    users have them (none set; ``clear``: more variables to drop), ``env``
+    added."""
+    users = {key: value for key, value in os.environ.items() if not key.startswith(
+        ('MALLOC_', 'GLIBC_TUNABLES') + tuple(clear))}
+    return subprocess.run(
+        [sys.executable, '-c', code, *args], capture_output=True, text=True,
+        env=dict(users, PYTHONPATH=os.pathsep.join(sys.path), **env), check=check)
+
+
 def test_malloc_threshold_is_left_to_a_process_that_set_it():
     # what the process started with counts, not os.environ later: Dask's
     # Nanny sets MALLOC_TRIM_THRESHOLD_ there, which malloc never reads
     code = ('import os, sys; from skorch_gradacc.meters import '
             'fix_malloc_threshold; os.environ.update(MALLOC_TRIM_THRESHOLD_='
             '"65536") if sys.argv[1:] else None; print(fix_malloc_threshold())')
-    users = {key: value for key, value in os.environ.items()
-             if not key.startswith(('MALLOC_', 'GLIBC_TUNABLES'))}
-    outputs = [subprocess.run(
-        [sys.executable, '-c', code, *later], capture_output=True, text=True,
-        env=dict(users, PYTHONPATH=os.pathsep.join(sys.path), **extra),
-        check=True).stdout.strip() for extra, later in (
+    outputs = [run_in_users_process(code, *later, **extra).stdout.strip()
+               for extra, later in (
             ({}, []), ({'MALLOC_MMAP_THRESHOLD_': '65536'}, []),
             ({'GLIBC_TUNABLES': 'glibc.malloc.trim_threshold=4096'}, []),
             ({}, ['later']))]
@@ -810,12 +817,8 @@ def test_tensors_freed_off_the_heap_leave_nothing_resident():
         'held.__enter__() if held else meters.fix_malloc_threshold()\n'
         'meters._LIBC.malloc_trim(0); meter = meters.MemoryMeter("cpu")\n'
         'x = torch.ones(2 ** 18); del x; print(meter.held() / 2 ** 20)')
-    users = {key: value for key, value in os.environ.items()
-             if not key.startswith(('MALLOC_', 'GLIBC_TUNABLES'))}
-    held_mib = [float(subprocess.run(
-        [sys.executable, '-c', code, *held], capture_output=True, text=True,
-        env=dict(users, PYTHONPATH=os.pathsep.join(sys.path)),
-        check=True).stdout) for held in ([], ['held'])]
+    held_mib = [float(run_in_users_process(code, *held).stdout)
+                for held in ([], ['held'])]
     assert held_mib[0] >= 0.9 and held_mib[1] <= 0.1, held_mib
 
 
@@ -837,12 +840,8 @@ def test_a_fit_under_a_cap_of_address_space_leaves_the_process_sound():
         'net.fit(X, y)\n'
         'resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)\n'
         'make("cnn", True, 256, 1)[0].fit(X, y)')
-    users = {key: value for key, value in os.environ.items() if not key.startswith(
-        ('MALLOC_', 'GLIBC_TUNABLES', 'OMP_NUM_THREADS'))}  # threads' arenas too
-    for _ in range(3):
-        run = subprocess.run(
-            [sys.executable, '-c', code], capture_output=True, text=True,
-            env=dict(users, PYTHONPATH=os.pathsep.join(sys.path)))
+    for _ in range(3):  # with OpenMP's threads, and their arenas
+        run = run_in_users_process(code, clear=('OMP_NUM_THREADS',), check=False)
         assert run.returncode == 0, run.stderr[-2000:]
 
 
