@@ -44,7 +44,8 @@ __all__ = ['is_out_of_memory', 'margin', 'parse_budget', 'plan_memory']
 
 # The budget
 
-# the share of the budget the plan leaves free, for what its passes cannot
+# the share of what the passes measure (the budget less what is held or
+# counted before them) that the plan leaves free, for what they cannot
 # show: what later batches, epochs and callbacks add, the heap's state, and
 # the error of the measurement and of the line (the benchmark's fits took up
 # to 12% more than the plan predicted)
@@ -221,7 +222,7 @@ def plan_memory(net, group, buffers, **fit_params):
     :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks
     once none verifies more, as a cost (``batch_cost``) for other
     micro-batches; it goes to ``net.memory_plan_``: ``'budget'``,
-    ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
+    ``'margin'`` (bytes), ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
     elements), ``'predicted_peak'`` and, after the fit, ``'measured_peak'``
     (bytes), ``'plan_seconds'`` (the passes'), ``'passes'`` and
     ``'verified'`` (each one's rows and peak), ``'settled'`` (no rank
@@ -241,14 +242,16 @@ def plan_memory(net, group, buffers, **fit_params):
         return  # nothing to measure or nothing known: back off only
     # the group's other micro-batches, and the next one, loaded beside them
     kept = (group.size if group.keep else 1) * nbytes(first)
-    limit = budget - margin(budget)
     held = meter.held() + nbytes(_learnable(net))  # and the gradients
+    limit = budget - margin(budget, held + kept)
     _refuse_unless(net, engine, held + kept <= limit, budget, held + kept)
     meter.reset(release=True)  # the passes' memory shows, not reused unseen
     with torch.random.fork_rng(devices=[meter.device] * (
             meter.device.type == 'cuda')):
         state, step = first_step_memory(net, meter)
-        _refuse_unless(net, engine, step + kept <= limit, budget, step + kept)
+        limit = budget - margin(budget, held + kept + state)
+        _refuse_unless(net, engine, step + kept <= limit, budget, step + kept,
+                       held + kept + state)
         step -= meter.held()  # what a step adds to what is held
         passes, size, verifies = {}, min(2, rows), 0
         while size and not verifies:  # verifying: the first steps' pieces
@@ -265,9 +268,10 @@ def plan_memory(net, group, buffers, **fit_params):
     if smallest is None:
         raise RuntimeError(_ONE_ROW)
     _refuse_unless(net, engine, line.good, budget,
-                   line.now(smallest) + state + kept)
+                   line.now(smallest) + state + kept, held + kept + state)
     net.memory_plan_ = {
-        'budget': budget, 'method': meter.method, 'measured_peak': None,
+        'budget': budget, 'margin': int(budget - limit), 'method': meter.method,
+        'measured_peak': None,
         'cost': 'rows' if batch_cost(first) is None else 'elements',
         'plan_seconds': time.perf_counter() - start, 'verified': [],
         'settled': False,
@@ -333,18 +337,23 @@ def settle_after_group(net):
             _settle(net, net.get_engine().min_over_ranks)
 
 
-def margin(budget):
+def margin(budget, known=0):
     """Return the bytes of ``budget`` that a plan leaves free.
 
-    ``PLAN_MARGIN`` of it, and at least ``PLAN_MARGIN_BYTES``.
+    ``PLAN_MARGIN`` of what the passes measure: the budget less the
+    ``known`` bytes, held or counted before them (what the fit holds, the
+    gradients, the optimizers' state, the batches kept), which a later
+    step does not change; at least ``PLAN_MARGIN_BYTES``.
 
     Examples
     --------
-    >>> margin(100 * 2 ** 20) / 2 ** 20, margin(4 * 2 ** 20) / 2 ** 20
-    (15.0, 1.0)
+    >>> margin(100 * 2 ** 20) / 2 ** 20, margin(100 * 2 ** 20, 60 * 2 ** 20) / 2 ** 20
+    (15.0, 6.0)
+    >>> margin(4 * 2 ** 20) / 2 ** 20
+    1.0
 
     """
-    return max(PLAN_MARGIN * budget, PLAN_MARGIN_BYTES)
+    return max(PLAN_MARGIN * (budget - known), PLAN_MARGIN_BYTES)
 
 
 def _next_pass(passes, line, rows, verifies, paired=False):
@@ -432,15 +441,17 @@ def _line(passes, room, rows, held):
     return line
 
 
-def _refuse_unless(net, engine, fits, budget, need):
+def _refuse_unless(net, engine, fits, budget, need, known=None):
     """Raise the ValueError of a budget too small for one row, on every rank.
 
-    ``need``: the bytes this rank's pieces of one row need, as far as known.
+    ``need``: the bytes this rank's pieces of one row need, as far as known,
+    ``known`` (default: ``need``) the :func:`margin`'s.
     """
     if engine.all_ranks(fits):
         return
-    least = -engine.min_over_ranks(-math.ceil(0 if fits else max(
-        need / (1 - PLAN_MARGIN), need + PLAN_MARGIN_BYTES)))
+    known = need if known is None else known
+    least = -engine.min_over_ranks(-math.ceil(0 if fits else max(  # margin's inverse
+        (need - PLAN_MARGIN * known) / (1 - PLAN_MARGIN), need + PLAN_MARGIN_BYTES)))
     if fits:
         given = "another rank's budget is"
     elif net.memory_budget is None:
