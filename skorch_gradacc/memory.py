@@ -242,16 +242,15 @@ def plan_memory(net, group, buffers, **fit_params):
         return  # nothing to measure or nothing known: back off only
     # the group's other micro-batches, and the next one, loaded beside them
     kept = (group.size if group.keep else 1) * nbytes(first)
-    held = meter.held() + nbytes(_learnable(net))  # and the gradients
-    limit = budget - margin(budget, held + kept)
-    _refuse_unless(net, engine, held + kept <= limit, budget, held + kept)
+    known = meter.held() + nbytes(_learnable(net)) + kept  # and the gradients
+    limit = budget - margin(budget, known)
+    _refuse_unless(net, engine, known <= limit, budget, known, known)
     meter.reset(release=True)  # the passes' memory shows, not reused unseen
     with torch.random.fork_rng(devices=[meter.device] * (
             meter.device.type == 'cuda')):
         state, step = first_step_memory(net, meter)
-        limit = budget - margin(budget, held + kept + state)
-        _refuse_unless(net, engine, step + kept <= limit, budget, step + kept,
-                       held + kept + state)
+        known, limit = known + state, budget - margin(budget, known + state)
+        _refuse_unless(net, engine, step + kept <= limit, budget, step + kept, known)
         step -= meter.held()  # what a step adds to what is held
         passes, size, verifies = {}, min(2, rows), 0
         while size and not verifies:  # verifying: the first steps' pieces
@@ -268,13 +267,12 @@ def plan_memory(net, group, buffers, **fit_params):
     if smallest is None:
         raise RuntimeError(_ONE_ROW)
     _refuse_unless(net, engine, line.good, budget,
-                   line.now(smallest) + state + kept, held + kept + state)
+                   line.now(smallest) + state + kept, known)
     net.memory_plan_ = {
         'budget': budget, 'margin': int(budget - limit), 'method': meter.method,
-        'measured_peak': None,
+        'measured_peak': None, 'settled': False, 'verified': [],
         'cost': 'rows' if batch_cost(first) is None else 'elements',
-        'plan_seconds': time.perf_counter() - start, 'verified': [],
-        'settled': False,
+        'plan_seconds': time.perf_counter() - start,
         'passes': [(size, result and int(result.peak))
                    for size, result in passes.items()]}
     net._plan_verify_ = types.SimpleNamespace(
@@ -441,15 +439,14 @@ def _line(passes, room, rows, held):
     return line
 
 
-def _refuse_unless(net, engine, fits, budget, need, known=None):
+def _refuse_unless(net, engine, fits, budget, need, known):
     """Raise the ValueError of a budget too small for one row, on every rank.
 
     ``need``: the bytes this rank's pieces of one row need, as far as known,
-    ``known`` (default: ``need``) the :func:`margin`'s.
+    ``known`` the :func:`margin`'s.
     """
     if engine.all_ranks(fits):
         return
-    known = need if known is None else known
     least = -engine.min_over_ranks(-math.ceil(0 if fits else max(  # margin's inverse
         (need - PLAN_MARGIN * known) / (1 - PLAN_MARGIN), need + PLAN_MARGIN_BYTES)))
     if fits:
