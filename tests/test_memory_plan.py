@@ -293,7 +293,8 @@ class TestPlan:
         assert plan['budget'] == 2 ** 30 and plan['method'] == 'rss'
         assert plan['cost'] == 'elements'  # 10 a row
         assert plan['max_cost'] == 10 * plan['micro_batch_size']
-        assert margin(2 ** 30, 2 ** 30) <= plan['margin'] <= margin(2 ** 30)
+        # no margin for the bytes counted before the passes (parameters, gradients)
+        assert margin(2 ** 30, 2 ** 30) <= plan['margin'] < int(margin(2 ** 30))
         assert 0 < plan['predicted_peak'] <= 2 ** 30 - plan['margin']
         assert 0 < plan['measured_peak'] <= 2 ** 30
         assert plan['plan_seconds'] > 0
