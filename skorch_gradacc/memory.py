@@ -57,7 +57,7 @@ PLAN_MARGIN = 0.15
 PLAN_MARGIN_BYTES = 2 ** 20
 
 # the share of the first micro-batch's rows up to which the plan's passes
-# double (they cost about half a step's forward and backward); pieces of
+# grow (they cost under a step's forward and backward); pieces of
 # the first steps at the rows their line reaches verify it
 PLAN_PASS_SHARE = 0.25
 
@@ -206,9 +206,9 @@ def plan_memory(net, group, buffers, **fit_params):
        optimizers' new state and temporaries;
     2. passes, forward and backward beside zero gradients (as a step's
        later pieces), on the first rows of the group's first micro-batch:
-       2 rows (1 if they take too much), then twice the rows of the last,
-       up to ``PLAN_PASS_SHARE`` of them, while the line (``_line``) says
-       the next fits;
+       2 rows (1 if they take too much), then twice the rows of the last
+       (four times, far below the budget), up to ``PLAN_PASS_SHARE`` of
+       them, while the line (``_line``) says the next fits;
     3. then, in training, up to ``PLAN_VERIFIES`` pairs of pieces of the
        first steps (``micro_batch_pieces``), at the most rows the line
        reaches, or below a size that took more (``_next_pass``): they cost
@@ -357,8 +357,9 @@ def margin(budget, known=0):
 def _next_pass(passes, line, rows, verifies, paired=False):
     """Return the rows of the plan's next pass (0: none), and the verifies.
 
-    Twice the last pass's rows, up to ``PLAN_PASS_SHARE`` of ``rows`` on
-    the grid, where the line says they fit: a pass near the budget would be the
+    Twice the last pass's rows (four times where the line reaches eight),
+    up to ``PLAN_PASS_SHARE`` of ``rows`` on the grid, where the line says
+    they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
     the grid, and at most the next above twice the last's (a line is a
@@ -376,7 +377,10 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     if not line.good:  # one row, before refusing
         return (1 if min(passes) > 1 else 0), verifies
     last, good = max(passes), line.good
-    size = min(2 * last, planned_rows(rows, int(PLAN_PASS_SHARE * rows)))
+    # four times where the line reaches eight: each pass costs a gradient's
+    # compute besides its rows, and far from the budget fewer suffice
+    size = min((4 if 8 * last <= line.reach else 2) * last,
+               planned_rows(rows, int(PLAN_PASS_SHARE * rows)))
     if last == good and last < size <= line.reach and not verifies:
         return size, verifies
     size = planned_rows(rows, line.rows if last != good else min(
@@ -465,8 +469,7 @@ def _refuse_unless(net, engine, fits, budget, need, known):
 
 
 def _learnable(net):
-    return [param for _, param in net.get_all_learnable_params()
-            if param.requires_grad]
+    return [param for _, param in net.get_all_learnable_params() if param.requires_grad]
 
 
 def _pass(net, engine, meter, first, rows, **fit_params):
