@@ -71,8 +71,7 @@ def _overhead_one(name, cfg, rounds, warmup):
         'accelerate': functools.partial(accelerate.partial_fit, X, y),
     }
     times = interleave(contenders, rounds, warmup=warmup)
-    # Accelerate shares gradient_accumulation_steps between all its
-    # Accelerator objects; make sure no other one changed it meanwhile
+    # all Accelerators share gradient_accumulation_steps: no other changed it
     assert accelerate.accelerator.gradient_accumulation_steps == k
     result = {'config': {'n': len(X), 'B': B, 'k': k,
                          'micro_batches_per_epoch': -(-len(X) // B),

@@ -203,9 +203,10 @@ def _take_free_heap_blocks():
     Blocks that malloc gives below the program break without moving it (a
     mapping of its own or a heap grown go back), from the threshold up,
     twice the size after each, half after each miss. None under a limit of
-    address space or data: a malloc that fails there can move the thread
-    to another of malloc's arenas for good (later fits failed in oneDNN).
-    A thread's own arena keeps its blocks.
+    address space or data: they would take the limit's room, and an
+    allocation that fails while oneDNN compiles a kernel leaves every later
+    kernel on that thread failing (later fits failed; oneDNN PR 5907). A
+    thread's own arena keeps its blocks.
     """
     import resource  # Unix's, as glibc is
 
