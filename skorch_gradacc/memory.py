@@ -89,10 +89,9 @@ def parse_budget(value):
     if value is None or is_positive_int(value):
         return value if value is None else int(value)
     match = _BUDGET.fullmatch(value) if isinstance(value, str) else None
-    if match is not None:
-        nbytes = int(float(match[1]) * _BUDGET_UNITS[match[2].lower()])
-        if nbytes >= 1:
-            return nbytes
+    nbytes = match and int(float(match[1]) * _BUDGET_UNITS[match[2].lower()])
+    if nbytes:  # at least one byte
+        return nbytes
     raise ValueError(
         "memory_budget must be None, a positive number of bytes or a string "
         "such as '2GiB' or '512MB', got {!r} instead.".format(value))
@@ -149,10 +148,15 @@ def micro_batch_pieces(net, micro, group):
     cost per row gives, while it has the rows, two pieces of the rows to
     verify (one if it has fewer), measured as they train (``_verified``),
     and again at the next rows; then the pieces of
-    :func:`split_micro_batch`, cut after them.
+    :func:`split_micro_batch`, cut after them. With ``'auto'``, what the
+    process holds free goes back to the OS first.
     """
     verify, rows = getattr(net, '_plan_verify_', None), batch_len(micro)
     left, per_row = rows, cost_per_row(micro)
+    # what loading it left free (its rows, one by one, then collated) goes
+    # back to the OS, as before the plan's passes: no pass showed it
+    if (meter := getattr(net, 'memory_meter_', None)) is not None:
+        meter.release()
     while verify and 0 < (size := verify.size) <= left and per_row == verify.per_row:
         # for a back-off: to the rows the plan's passes showed
         group.rows_in_flight, group.piece_rows = left, size
@@ -657,8 +661,7 @@ def _back_off(net, group, buffers, size=None):
     verify, net._plan_verify_ = getattr(net, '_plan_verify_', None), None
     if verify is not None and verify.start is not None:
         net.memory_plan_['verified'].append((verify.size, None))
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # nothing where CUDA was never initialized
     net.micro_batch_size_ = size or backed_off_size(group)
     plan = getattr(net, 'memory_plan_', None)
     if plan is not None:
