@@ -232,8 +232,10 @@ def plan_memory(net, group, buffers, **fit_params):
     ``'verified'`` (each one's rows and peak), ``'settled'`` (no rank
     verifies more) and ``'method'``. A budget
     that one row does not fit raises a ValueError before the first step.
-    The passes leave no gradient, buffer (``buffers``) or random state
-    changed; the verifying pieces train.
+    The predicted peak is at least the fit's so far (loading the first
+    batch), with what later batches load beside. The passes leave no
+    gradient, buffer (``buffers``) or random state changed; the verifying
+    pieces train.
     """
     engine, start = net.get_engine(), time.perf_counter()
     first = next(iter(group.micro_batches()), None)  # the group keeps it
@@ -247,14 +249,17 @@ def plan_memory(net, group, buffers, **fit_params):
     # the group's other micro-batches, and the next one, loaded beside them
     kept = (group.size if group.keep else 1) * nbytes(first)
     known = meter.held() + nbytes(_learnable(net)) + kept  # and the gradients
+    # the fit's peak so far, loading the first batch: later ones load beside
+    # the last, the gradients and the optimizers' state
+    loading = known + meter.peak() - meter.held()
     limit = budget - margin(budget, known)
     _refuse_unless(net, engine, known <= limit, budget, known, known)
     meter.reset(release=True)  # the passes' memory shows, not reused unseen
-    with torch.random.fork_rng(devices=[meter.device] * (
-            meter.device.type == 'cuda')):
+    with torch.random.fork_rng(devices=[meter.device] * (meter.device.type == 'cuda')):
         state, step = first_step_memory(net, meter)
         known, limit = known + state, budget - margin(budget, known + state)
-        _refuse_unless(net, engine, step + kept <= limit, budget, step + kept, known)
+        need = max(step + kept, loading + state)  # a step, or a batch loaded
+        _refuse_unless(net, engine, need <= limit, budget, need, known)
         step -= meter.held()  # what a step adds to what is held
         passes, size, verifies = {}, min(2, rows), 0
         while size and not verifies:  # verifying: the first steps' pieces
@@ -282,7 +287,7 @@ def plan_memory(net, group, buffers, **fit_params):
     net._plan_verify_ = types.SimpleNamespace(
         passes=passes, room=limit - state - kept, rows=rows, held=meter.held(),
         per_row=cost_per_row(first), size=size, verifies=verifies,
-        beside=state + kept, floor=meter.held() + step + kept,
+        beside=state + kept, floor=max(meter.held() + step + kept, loading + state),
         meter=meter, start=None, unused=1, paired=False)
     _settle(net, engine.min_over_ranks)
     meter.reset(release=True)  # the fit starts without the passes' caches
@@ -663,8 +668,7 @@ def _back_off(net, group, buffers, size=None):
         net.memory_plan_['verified'].append((verify.size, None))
     torch.cuda.empty_cache()  # nothing where CUDA was never initialized
     net.micro_batch_size_ = size or backed_off_size(group)
-    plan = getattr(net, 'memory_plan_', None)
-    if plan is not None:
+    if (plan := net.memory_plan_) is not None:
         plan['settled'], plan['max_cost'] = True, math.ceil(
             net.micro_batch_size_ * getattr(group, 'cost_per_row', 1.0))
     # each back-off once, in the row of the batch that backed off
