@@ -824,30 +824,42 @@ def test_tensors_freed_off_the_heap_leave_nothing_resident():
     assert held_mib[0] >= 0.9 and held_mib[1] <= 0.1, held_mib
 
 
+def fit_loading(collate, layers, budget_mib):
+    """Fit a regressor of ``layers`` with 'auto' and ``budget_mib`` on 4,096
+    rows in batches of 1,024, in a fresh process as users run it, after a
+    small fit (the optimizers' imports); ``collate`` runs as each batch
+    loads. Return what it printed: the plan's measured and predicted peaks
+    (MiB), or the refusal's message."""
+    code = (
+        'import numpy as np, sys, torch; from skorch_gradacc import '
+        'GradAccNeuralNetRegressor as Net\n'
+        'pinned = []\n'
+        'def collate(items):\n' + textwrap.indent(collate, '    ') + '\n'
+        '    return torch.utils.data.default_collate(items)\n'
+        'X = np.random.default_rng(0).standard_normal((4096, 64), np.float32)\n'
+        'def fit(rows, **params): return Net(torch.nn.Sequential(' + layers +
+        '), max_epochs=2, train_split=None, verbose=0, **params).fit(X[:rows], '
+        'X[:rows, :1])\n'
+        'fit(8)\n'
+        'try: plan = fit(4096, batch_size=1024, micro_batch_size="auto", '
+        'memory_budget=int(sys.argv[1]) * 2 ** 20, iterator_train__collate_fn='
+        'collate).memory_plan_\n'
+        'except ValueError as error: print(error); sys.exit()\n'
+        'print(plan["measured_peak"] / 2 ** 20, plan["predicted_peak"] / 2 ** 20)')
+    return run_in_users_process(code, str(budget_mib)).stdout
+
+
 def test_what_loading_a_batch_left_free_is_not_the_steps():
     # a batch's loading leaves free blocks on the heap (here 16 MiB, below a
     # block still in use; less than a step takes); no pass of the plan saw
     # them (it gave them back first), so later steps that kept them resident
     # peaked above the plan (the benchmark's regressor: 29 MiB, planned 27;
     # here 33-38 MiB, planned 28-29)
-    code = (
-        'import numpy as np, torch; from skorch_gradacc import '
-        'GradAccNeuralNetRegressor as Net\n'
-        'pinned = []\n'
-        'def collate(items):\n'
-        '    junk = [torch.ones(2 ** 13) for _ in range(512)]\n'
-        '    pinned.append(torch.ones(2 ** 14)); del junk\n'
-        '    return torch.utils.data.default_collate(items)\n'
-        'X = np.random.default_rng(0).standard_normal((4096, 64), np.float32)\n'
-        'def fit(rows, **params): return Net(torch.nn.Sequential(torch.nn.Linear('
-        '64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU()'
-        ', torch.nn.Linear(1024, 1)), max_epochs=2, '
-        'train_split=None, verbose=0, **params).fit(X[:rows], X[:rows, :1])\n'
-        'fit(8)  # as a process that trained before (the optimizers\' imports)\n'
-        'plan = fit(4096, batch_size=1024, micro_batch_size="auto", memory_budget'
-        '=2 ** 25, iterator_train__collate_fn=collate).memory_plan_\n'
-        'print(plan["measured_peak"] / 2 ** 20, plan["predicted_peak"] / 2 ** 20)')
-    measured, predicted = map(float, run_in_users_process(code).stdout.split())
+    measured, predicted = map(float, fit_loading(
+        'junk = [torch.ones(2 ** 13) for _ in range(512)]\n'
+        'pinned.append(torch.ones(2 ** 14)); del junk',
+        'torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),'
+        ' torch.nn.ReLU(), torch.nn.Linear(1024, 1)', 32).split())
     assert measured <= predicted + 2, (measured, predicted)
 
 
@@ -855,26 +867,16 @@ def test_what_loading_a_batch_takes_is_in_the_prediction():
     # loading a batch here takes 16 MiB for a while, more than a step of
     # the small model: the fit's peak, which the prediction left out (17 MiB
     # measured, 7.5-14 predicted); a budget it does not fit is refused
-    code = (
-        'import numpy as np, sys, torch; from skorch_gradacc import '
-        'GradAccNeuralNetRegressor as Net\n'
-        'def collate(items):\n'
-        '    junk = [torch.ones(2 ** 13) for _ in range(512)]\n'
-        '    return torch.utils.data.default_collate(items)\n'
-        'X = np.random.default_rng(0).standard_normal((4096, 64), np.float32)\n'
-        'def fit(rows, **params): return Net(torch.nn.Sequential(torch.nn.Linear('
-        '64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)), max_epochs=2, '
-        'train_split=None, verbose=0, **params).fit(X[:rows], X[:rows, :1])\n'
-        'fit(8)  # as a process that trained before (the optimizers\' imports)\n'
-        'try: plan = fit(4096, batch_size=1024, micro_batch_size="auto", '
-        'memory_budget=int(sys.argv[1]) * 2 ** 20, iterator_train__collate_fn='
-        'collate).memory_plan_\n'
-        'except ValueError as error: print(error); sys.exit()\n'
-        'print(plan["measured_peak"] / 2 ** 20, plan["predicted_peak"] / 2 ** 20)')
-    measured, predicted = map(float, run_in_users_process(code, '32').stdout.split())
+    def fit(budget_mib):
+        return fit_loading(
+            'junk = [torch.ones(2 ** 13) for _ in range(512)]',
+            'torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)',
+            budget_mib)
+    measured, predicted = map(float, fit(32).split())
     assert 16 <= measured <= predicted + 1, (measured, predicted)  # its margin
-    refused = run_in_users_process(code, '12').stdout
+    refused = fit(12)
     assert 'less than pieces of one row need' in refused, refused
+
 
 def test_no_heap_blocks_are_held_under_a_cap_of_address_space():
     # under RLIMIT_AS, blocks held would take the room the fit has, and an
