@@ -59,9 +59,8 @@ def time_epochs(rounds):
     loader = DataLoader(
         loader.dataset, collate_fn=loader.collate_fn,
         batch_sampler=list(loader.batch_sampler)[rank::world_size])
-    ddp = DistributedDataParallel(module())
+    ddp, criterion = DistributedDataParallel(module()), torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    criterion = torch.nn.CrossEntropyLoss()
 
     def hand_epoch():
         batches = iter(loader)

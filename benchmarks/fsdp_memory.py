@@ -15,13 +15,9 @@ import sys
 
 import torch
 
+import skorch_gradacc
 from benchmarks import harness
 from benchmarks.workloads import mlp
-from skorch_gradacc import (
-    DistributedGradAccMixin,
-    FullyShardedGradAccMixin,
-    GradAccNeuralNetClassifier,
-)
 
 CONFIGS = ('ddp', 'fsdp', 'fsdp_each')
 WIDTH, DEPTH, ROWS, BATCH_SIZE, ACC_STEPS = 1024, 16, 256, 8, 4
@@ -35,9 +31,10 @@ def rank(config):
     generator = torch.Generator().manual_seed(0)
     X = torch.randn(ROWS, WIDTH, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)
-    mixin = DistributedGradAccMixin if config == 'ddp' else FullyShardedGradAccMixin
+    mixin = (skorch_gradacc.DistributedGradAccMixin if config == 'ddp'
+             else skorch_gradacc.FullyShardedGradAccMixin)
     torch.manual_seed(0)
-    net = type('Net', (mixin, GradAccNeuralNetClassifier), {})(
+    net = type('Net', (mixin, skorch_gradacc.GradAccNeuralNetClassifier), {})(
         mlp, module__n_in=WIDTH, module__n_hidden=WIDTH, module__n_layers=DEPTH,
         criterion=torch.nn.CrossEntropyLoss, optimizer=torch.optim.Adam, lr=1e-4,
         batch_size=BATCH_SIZE, acc_steps=ACC_STEPS, max_epochs=1, train_split=None,

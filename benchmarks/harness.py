@@ -60,8 +60,7 @@ def interleave(contenders, rounds, warmup=1):
     ...}``. CPU time is the process's own, which other processes disturb less."""
     names = list(contenders)
     times = {clock: {name: [] for name in names} for clock in ('cpu', 'wall')}
-    # collect before each timed run, and freeze what exists now so that
-    # collecting stays cheap (torch leaves many objects to scan)
+    # collect before each timed run; what exists now is frozen: cheap to collect
     gc.collect()
     gc.freeze()
     try:
@@ -91,8 +90,7 @@ def peak_growth_kib(work):
     """Run ``work()``: the growth (KiB) of the peak RSS and of the RSS, and what
     ``work`` returned."""
     gc.collect()
-    with open('/proc/self/clear_refs', 'w') as clear_refs:
-        clear_refs.write('5')  # the peak starts again from the RSS now
+    Path('/proc/self/clear_refs').write_text('5')  # the peak starts again from the RSS
     baseline = _status_kib('VmRSS')
     result = work()
     return _status_kib('VmHWM') - baseline, _status_kib('VmRSS') - baseline, result
@@ -125,8 +123,8 @@ def fresh_process(function, *args, malloc='fixed', timeout=600):
     context.set_forkserver_preload(['torch', 'torch._dynamo', 'skorch', 'sklearn',
                                     'skorch_gradacc', 'benchmarks.workloads'])
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(function, args, malloc, sender))
-    process.start()
+    (process := context.Process(target=_child, args=(function, args, malloc,
+                                                     sender))).start()
     sender.close()
     try:
         if not receiver.poll(timeout):
@@ -216,10 +214,8 @@ def parser(module, description):
 def save(out, name, results, markdown=None, **tables):
     """Write ``name.json`` (``results``), ``name.md`` (``markdown``) and each
     table (rows, header first) as ``KEY.csv`` into ``out``; print the paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # how long the run took, for the docs to quote
-    results['meta']['wall_seconds'] = round(time.perf_counter() - STARTED)
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
+    results['meta']['wall_seconds'] = round(time.perf_counter() - STARTED)  # to quote
     paths = [out / (name + '.json')]
     paths[0].write_text(json.dumps(results, indent=1) + '\n')
     if markdown is not None:

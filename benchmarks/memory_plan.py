@@ -9,7 +9,8 @@ which resets ``VmHWM``: a memory cgroup (v1) per process, its peak reset before
 ``fit`` after ``malloc_trim``, less the usage then (no cgroups: ``RssAnon`` each ms);
 ``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes, bisected
 (to 10%) for the largest whose repeats all stay within the budget, run uncapped after
-``tensors_off_the_heap`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``.
+``tensors_off_the_heap`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``, and
+``'auto'`` with ``SMALL_THRESHOLD`` (tensors of 32 KiB or more off the heap).
 """
 
 import ctypes
@@ -45,6 +46,7 @@ QUICK = {'mlp': (2048, 2, (40,)), 'regressor': (4096, 2, (32,))}
 EPOCHS, REPEATS, TOLERANCE = 2, {False: 3, True: 1}, {False: 1.1, True: 2.0}
 CE = {'criterion': torch.nn.CrossEntropyLoss}  # on logits (skorch's default: NLL)
 SGD = dict(CE, optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=0.01)
+SMALL_THRESHOLD = {'MALLOC_MMAP_THRESHOLD_': '32768'}  # what a user may set
 
 
 class GRUClassifier(torch.nn.GRU):
@@ -132,9 +134,10 @@ def child(name, kind, batch_size, batches, budget, params, cgroup):
     peak = int(Path(cgroup, 'memory.max_usage_in_bytes').read_text()) - usage if (
         cgroup) else max(samples) - samples[0]
     plan, rows = net.memory_plan_, sum(net.history[:, 'batches'], [])
-    result = {'error': error, 'peak': peak, 'plan': plan, 'backoffs': sum(
-        (row.get('micro_batch_size_backoff', []) for row in rows), []), 'step_seconds':
-        None if error else (seconds - (plan or {}).get('plan_seconds', 0)) / len(rows)}
+    backoffs = sum((row.get('micro_batch_size_backoff', []) for row in rows), [])
+    result = {'error': error, 'peak': peak, 'plan': plan, 'backoffs': backoffs,
+              'malloc': os.environ.get('MALLOC_MMAP_THRESHOLD_'), 'step_seconds': None
+              if error else (seconds - (plan or {}).get('plan_seconds', 0)) / len(rows)}
     if kind == 'rlimit_as' and not error:  # against plain skorch, uncapped, on a
         plain = ThreadPoolExecutor(1).submit(lambda: make(  # new thread: oneDNN PR 5907
             name, True, batch_size, 1)[0].fit(X, y).module_.state_dict()).result()
@@ -143,8 +146,9 @@ def child(name, kind, batch_size, batches, budget, params, cgroup):
     return result
 
 
-def spawn(**args):
-    """:func:`child` in a fresh process, in a memory cgroup of its own if made."""
+def spawn(env=(), **args):
+    """:func:`child` in a fresh process, in a memory cgroup of its own if made, with
+    users' environment and ``env``."""
     try:  # inside this process's
         cgroup = Path('/sys/fs/cgroup/memory' + re.findall(
             ':memory:(.*)', Path('/proc/self/cgroup').read_text())[0],
@@ -152,8 +156,8 @@ def spawn(**args):
         cgroup.mkdir()
     except (OSError, IndexError):
         cgroup = None
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(('MALLOC_', 'GLIBC_TUNABLES', 'OMP_NUM_THREADS'))}
+    env = dict({key: value for key, value in os.environ.items() if not key.startswith(
+        ('MALLOC_', 'GLIBC_TUNABLES', 'OMP_NUM_THREADS'))}, **dict(env))
     command = [sys.executable, '-m', 'benchmarks.memory_plan', '--child',
                json.dumps(dict(args, cgroup=cgroup and str(cgroup)))]
     proc = subprocess.Popen(  # the shell joins the cgroup, then runs python
@@ -189,7 +193,8 @@ def measure(name, budget, quick):
     batch_size, batches, budgets = (QUICK if quick else WORKLOADS)[name]
     probes, auto = {}, {'micro_batch_size': 'auto', 'memory_budget': budget * MiB}
     run = dict(name=name, batch_size=batch_size, batches=batches, budget=budget)
-    fits = [spawn(kind='auto', params=auto, **run) for _ in range(REPEATS[quick])]
+    fits, middle = [spawn(kind='auto', params=auto, **run) for _ in range(
+        REPEATS[quick])], budget == budgets[len(budgets) // 2]
     plans = [(fit, fit['plan']) for fit in fits if fit['plan']]
 
     def within(n, repeats=REPEATS[quick]):  # all within, as 'auto'; the highest peak
@@ -202,8 +207,9 @@ def measure(name, budget, quick):
                                     batch_size, TOLERANCE[quick])
     return {'fits': fits, 'chosen': chosen, 'largest': largest, 'smallest_over': over,
             'probes': dict(sorted(probes.items())),
-            'rlimit_as': spawn(kind='rlimit_as', params=auto, **run) if budget == (
-                budgets[len(budgets) // 2]) else None,
+            'rlimit_as': middle and spawn(kind='rlimit_as', params=auto, **run) or None,
+            'small_threshold': [spawn(kind='auto', params=auto, env=SMALL_THRESHOLD,
+                                      **run) for _ in range(REPEATS[quick] * middle)],
             'measured_vs_budget': [fit['peak'] / budget / MiB for fit in fits
                                    if fit['peak'] is not None],
             'predicted_vs_measured': [plan['predicted_peak'] / fit['peak']
@@ -226,7 +232,8 @@ def tables(results):
         'workload', 'B', 'budget (MiB)', 'chosen', 'max measured / budget',
         'predicted / measured', 'largest fixed within budget', 'chosen / largest',
         'pieces per batch: largest fixed; chosen', 'planning (steps)', 'back-offs',
-        'killed', 'under RLIMIT_AS']] + [[
+        'killed', 'under RLIMIT_AS', 'with MALLOC_MMAP_THRESHOLD_=32768: chosen; max '
+        'measured / budget; step time / default']] + [[
         name, entry['batch_size'], budget, '/'.join(map(str, row['chosen'])),
         _span(row['measured_vs_budget'] and [max(row['measured_vs_budget'])]),
         _span(row['predicted_vs_measured']), row['largest'],
@@ -235,9 +242,20 @@ def tables(results):
         sum(len(fit['backoffs']) for fit in row['fits']),
         sum(fit['killed'] for fit in row['fits']), (cap := row['rlimit_as']) and (
             '{}; {} back-offs; {:.1e}'.format(('trained', 'failed')[bool(cap['error'])],
-                len(cap['backoffs']), cap.get('max_param_diff', float('nan')))) or '-']
+                len(cap['backoffs']), cap.get('max_param_diff', float('nan')))) or '-',
+        small_threshold(row, int(budget))]
         for name, entry in results['workloads'].items()
         for budget, row in entry['budgets'].items()]}
+
+
+def small_threshold(row, budget):
+    """The column of the ``SMALL_THRESHOLD`` fits of a budget (MiB), where run."""
+    if not (fits := row.get('small_threshold')) or any(fit['error'] for fit in fits):
+        return 'failed' if fits else '-'
+    step = [np.mean([fit['step_seconds'] for fit in x]) for x in (fits, row['fits'])]
+    sizes = '/'.join(str(fit['plan']['micro_batch_size']) for fit in fits)
+    return '{}; {:.2f}; {:.2f}'.format(sizes, max(fit['peak'] for fit in fits) / budget
+                                       / MiB, step[0] / step[1])
 
 
 def targets(results):

@@ -276,10 +276,8 @@ def _bars(ax, groups, series, value, horizontal=False, spread=None):
     x, width = np.arange(len(groups)), 0.8 / len(series)
     for i, (key, label) in enumerate(series.items()):
         heights = np.array([value(group, key) for group in groups])
-        err = None
-        if spread:
-            low, high = np.array([spread(group, key) for group in groups]).T
-            err = [heights - low, high - heights]
+        spreads = spread and np.array([spread(group, key) for group in groups]).T
+        err = spread and [heights - spreads[0], spreads[1] - heights]
         (ax.barh if horizontal else ax.bar)(
             x + i * width, heights, width, label=label,
             **{'xerr' if horizontal else 'yerr': err, 'capsize': 2})
@@ -363,8 +361,7 @@ def _plot_scaling_k(ax, scaling):
 
 
 def _plot_scaling_data(ax, scaling):
-    data = scaling['by_data']
-    ns = np.array(data['ns'])
+    ns = np.array((data := scaling['by_data'])['ns'])
     for kind, name in (('gradacc', 'GradAcc (B, k)'), ('plain_B', 'plain B')):
         median, low, high = np.array([[e['median'], e['min'], e['max']]
                                       for e in data[kind]['epoch_cpu_s']]).T * 1e3

@@ -28,8 +28,7 @@ N_ROWS, N_FEATURES, BATCH_SIZE, REPEATS = 4096, 512, 64, 5
 def time_validation():
     """On one rank: the median wall and CPU time of a validation epoch, s."""
     torch.manual_seed(0)
-    X = torch.randn(N_ROWS, N_FEATURES)
-    y = torch.randint(0, 10, (N_ROWS,))
+    X, y = torch.randn(N_ROWS, N_FEATURES), torch.randint(0, 10, (N_ROWS,))
     module = torch.nn.Sequential(mlp(N_FEATURES, 2048), torch.nn.Softmax(-1))
     net = type('DDPNet', (DistributedGradAccMixin, GradAccNeuralNetClassifier), {})(
         module, batch_size=BATCH_SIZE, verbose=0).initialize()
@@ -55,8 +54,7 @@ def main(argv=None):
               'w2_seconds': two, 'ratio': two / one,
               'w1_rank0_cpu_seconds': cpu_one, 'w2_rank0_cpu_seconds': cpu_two,
               'cpu_ratio': cpu_two / cpu_one,
-              'meta': harness.provenance(
-                  'benchmarks.sharded_validation', sys.argv[1:])}
+              'meta': harness.provenance('benchmarks.sharded_validation', sys.argv[1:])}
     print('validation epoch: W=1 {:.3f} s, W=2 {:.3f} s, ratio {:.2f}x; '
           "rank 0's CPU time ratio {:.2f}x; load average {:.1f}".format(
               one, two, two / one, cpu_two / cpu_one, os.getloadavg()[0]))

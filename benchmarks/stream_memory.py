@@ -37,9 +37,8 @@ SWEEP = (1, 2, 4, 8, 16, 32)
 class TokenHead(torch.nn.Module):
     def __init__(self, last_only=False):
         super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, 64)
+        self.embed, self.last_only = torch.nn.Embedding(VOCAB, 64), last_only
         self.head = torch.nn.Linear(64, VOCAB)
-        self.last_only = last_only
 
     def forward(self, X):
         logits = self.head(torch.tanh(self.embed(X)))

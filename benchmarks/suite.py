@@ -94,8 +94,7 @@ def _gap(cpu, config):
              'skorch_loop': ('gradacc_no_callbacks', 'hand_skorch_data'),
              'callbacks': ('gradacc', 'gradacc_no_callbacks'),
              'total': ('gradacc', 'hand')}
-    hand = summary(cpu['hand'])['median']
-    gap = {}
+    hand, gap = summary(cpu['hand'])['median'], {}
     for part, (a, b) in parts.items():
         seconds = summary([x - y for x, y in zip(cpu[a], cpu[b])])
         gap[part] = {'seconds': seconds, 'fraction_of_hand': seconds['median'] / hand,
@@ -245,8 +244,7 @@ def profile(name, cfg, top=15):
     net = make_net('gradacc', module, module_kwargs, cfg['B'], cfg['k'])
     torch.manual_seed(0)
     net.partial_fit(X, y)  # warm-up
-    profiler = cProfile.Profile()
-    profiler.runcall(net.partial_fit, X, y)
+    (profiler := cProfile.Profile()).runcall(net.partial_fit, X, y)
     stats = pstats.Stats(profiler)
     rows = []
     for (filename, line, function), (_, calls, own, cumulative, _) in sorted(

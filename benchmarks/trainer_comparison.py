@@ -63,8 +63,7 @@ def train_skorch(model, sequences, batch_size, acc_steps):
             return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
 
     def collate(items):
-        batch = pad(items)
-        return batch, batch.pop('labels')
+        return (batch := pad(items)), batch.pop('labels')
 
     net = GradAccNeuralNet(
         LM, criterion=ShiftedCrossEntropy, batch_size=batch_size, acc_steps=acc_steps,

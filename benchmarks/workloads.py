@@ -133,8 +133,8 @@ def make_net(kind, module, module_kwargs, batch_size, acc_steps=1, lr=0.05,
                   optimizer__momentum=0.9, lr=lr, max_epochs=max_epochs,
                   batch_size=batch_size, train_split=None,
                   iterator_train__shuffle=True, verbose=0)
-    params.update({'module__' + key: value for key, value in module_kwargs.items()})
-    params.update(kwargs)
+    params.update({'module__' + key: value for key, value in module_kwargs.items()},
+                  **kwargs)
     if kind == 'accelerate':
         from accelerate import Accelerator
 
@@ -168,11 +168,10 @@ class HandLoop:
 
     def epoch(self):
         self.module.train()
-        n_batches = len(self.loader)
         for i, (Xi, yi) in enumerate(self.loader, start=1):
             loss = self.criterion(self.module(Xi), yi)
             (loss / self.acc_steps).backward()
-            if i % self.acc_steps == 0 or i == n_batches:
+            if i % self.acc_steps == 0 or i == len(self.loader):
                 self.optimizer.step()
                 self.optimizer.zero_grad()
 

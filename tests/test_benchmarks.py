@@ -402,6 +402,7 @@ def test_memory_plan_quick_run():
                 assert plan['predicted_peak'] > 0 and plan['plan_seconds'] > 0
                 assert plan['measured_peak'] > 0 and plan['passes']
                 assert fit['step_seconds'] > 0 and fit['backoffs'] == []
+                assert fit['malloc'] is None  # users' environment: glibc's defaults
             assert row['chosen'] == [fit['plan']['micro_batch_size']
                                      for fit in row['fits']]
             # the bisection: the largest fixed size fits, the next one probed not
@@ -417,6 +418,13 @@ def test_memory_plan_quick_run():
             capped = row['rlimit_as']
             assert capped['error'] is None and not capped['killed']
             assert 0 <= capped['max_param_diff'] < 1e-3  # float32
+            # and 'auto' in a process started with a threshold of 32 KiB
+            assert len(row['small_threshold']) == results['repeats']
+            for fit in row['small_threshold']:
+                assert fit['malloc'] == memory_plan.SMALL_THRESHOLD[
+                    'MALLOC_MMAP_THRESHOLD_'] == '32768'
+                assert fit['error'] is None and 0 < fit['peak'] <= budget * MiB
+                assert fit['plan']['budget'] == budget * MiB
     assert results['targets'] == memory_plan.targets(results)
     assert (folder / 'memory_plan.md').read_text() == memory_plan.markdown(results)
     assert (folder / 'memory_plan.csv').read_text().splitlines() == [
