@@ -9,8 +9,8 @@ which resets ``VmHWM``: a memory cgroup (v1) per process, its peak reset before
 ``fit`` after ``malloc_trim``, less the usage then (no cgroups: ``RssAnon`` each ms);
 ``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes, bisected
 (to 10%) for the largest whose repeats all stay within the budget, run uncapped after
-``tensors_off_the_heap`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``, and
-``'auto'`` with ``SMALL_THRESHOLD`` (tensors of 32 KiB or more off the heap).
+``tensors_off_the_heap`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``. And
+``'auto'`` again with ``SMALL_THRESHOLD`` (tensors of 32 KiB or more off the heap).
 """
 
 import ctypes
@@ -209,7 +209,7 @@ def measure(name, budget, quick):
             'probes': dict(sorted(probes.items())),
             'rlimit_as': middle and spawn(kind='rlimit_as', params=auto, **run) or None,
             'small_threshold': [spawn(kind='auto', params=auto, env=SMALL_THRESHOLD,
-                                      **run) for _ in range(REPEATS[quick] * middle)],
+                                      **run) for _ in range(REPEATS[quick])],
             'measured_vs_budget': [fit['peak'] / budget / MiB for fit in fits
                                    if fit['peak'] is not None],
             'predicted_vs_measured': [plan['predicted_peak'] / fit['peak']
@@ -249,7 +249,7 @@ def tables(results):
 
 
 def small_threshold(row, budget):
-    """The column of the ``SMALL_THRESHOLD`` fits of a budget (MiB), where run."""
+    """The column of the ``SMALL_THRESHOLD`` fits of a budget (MiB)."""
     if not (fits := row.get('small_threshold')) or any(fit['error'] for fit in fits):
         return 'failed' if fits else '-'
     step = [np.mean([fit['step_seconds'] for fit in x]) for x in (fits, row['fits'])]

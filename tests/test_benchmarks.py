@@ -344,7 +344,21 @@ def quoted_memory_plan():
             sum(len(fit['backoffs']) for fit in capped),
             _span([max(fit.get('max_param_diff', 0) for fit in capped)], '{:.1e}')),
         'the memory plans in about {:.0f} minutes'.format(plan['seconds'] / 60),
-    ]
+    ] + quoted_small_threshold(rows)
+
+
+def quoted_small_threshold(rows):
+    """What docs/benchmarks.rst quotes of the fits under SMALL_THRESHOLD."""
+    from benchmarks.memory_plan import MiB, small_threshold
+
+    cells = [small_threshold(row, row['fits'][0]['plan']['budget'] // MiB).split('; ')
+             for row in rows]
+    same = sum(len(set(sizes.split('/'))) == 1 for sizes, _, _ in cells)
+    return ['chose the same size in all {} repeats for {} of the {} budgets'.format(
+                len(rows[0]['fits']), same, len(cells)),
+            'peaked at up to {:.2f}x of the budget, with steps {} as long'.format(
+                max(float(peak) for _, peak, _ in cells),
+                _span([float(ratio) for _, _, ratio in cells], '{:.2f}x'))]
 
 
 def test_docs_quote_the_committed_results():
