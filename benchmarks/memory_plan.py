@@ -252,10 +252,10 @@ def small_threshold(row, budget):
     """The column of the ``SMALL_THRESHOLD`` fits of a budget (MiB)."""
     if not (fits := row.get('small_threshold')) or any(fit['error'] for fit in fits):
         return 'failed' if fits else '-'
-    step = [np.mean([fit['step_seconds'] for fit in x]) for x in (fits, row['fits'])]
-    sizes = '/'.join(str(fit['plan']['micro_batch_size']) for fit in fits)
-    return '{}; {:.2f}; {:.2f}'.format(sizes, max(fit['peak'] for fit in fits) / budget
-                                       / MiB, step[0] / step[1])
+    step = [np.nanmean([f['step_seconds'] or np.nan for f in each])  # of those trained
+            for each in (fits, row['fits'])]
+    return '{}; {:.2f}; {:.2f}'.format('/'.join(str(f['plan']['micro_batch_size'])
+        for f in fits), max(f['peak'] for f in fits) / budget / MiB, step[0] / step[1])
 
 
 def targets(results):

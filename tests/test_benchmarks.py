@@ -370,6 +370,18 @@ def test_docs_quote_the_committed_results():
 
 # ------------------------------------------------ the memory planner's benchmark
 
+def test_small_threshold_column_renders_around_failed_fits():
+    # a default fit that failed has no step time: the ratio is of those trained
+    from benchmarks.memory_plan import MiB, small_threshold
+    fit = {'error': None, 'step_seconds': 2.0, 'peak': 16 * MiB,
+           'plan': {'micro_batch_size': 5}}
+    failed = {'error': 'MemoryError', 'step_seconds': None, 'peak': None}
+    row = {'small_threshold': [fit], 'fits': [failed, dict(fit, step_seconds=1.0)]}
+    assert small_threshold(row, 32) == '5; 0.50; 2.00'
+    assert small_threshold(dict(row, small_threshold=[failed]), 32) == 'failed'
+    assert small_threshold({'fits': [fit]}, 32) == '-'
+
+
 def test_largest_fitting_bisects_to_the_tolerance():
     from benchmarks.memory_plan import largest_fitting
     for start in (1, 50, 137, 600, 5000):
