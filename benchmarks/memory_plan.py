@@ -193,8 +193,7 @@ def measure(name, budget, quick):
     batch_size, batches, budgets = (QUICK if quick else WORKLOADS)[name]
     probes, auto = {}, {'micro_batch_size': 'auto', 'memory_budget': budget * MiB}
     run = dict(name=name, batch_size=batch_size, batches=batches, budget=budget)
-    fits, middle = [spawn(kind='auto', params=auto, **run) for _ in range(
-        REPEATS[quick])], budget == budgets[len(budgets) // 2]
+    fits = [spawn(kind='auto', params=auto, **run) for _ in range(REPEATS[quick])]
     plans = [(fit, fit['plan']) for fit in fits if fit['plan']]
 
     def within(n, repeats=REPEATS[quick]):  # all within, as 'auto'; the highest peak
@@ -207,7 +206,8 @@ def measure(name, budget, quick):
                                     batch_size, TOLERANCE[quick])
     return {'fits': fits, 'chosen': chosen, 'largest': largest, 'smallest_over': over,
             'probes': dict(sorted(probes.items())),
-            'rlimit_as': middle and spawn(kind='rlimit_as', params=auto, **run) or None,
+            'rlimit_as': spawn(kind='rlimit_as', params=auto, **run) if budget == (
+                budgets[len(budgets) // 2]) else None,
             'small_threshold': [spawn(kind='auto', params=auto, env=SMALL_THRESHOLD,
                                       **run) for _ in range(REPEATS[quick])],
             'measured_vs_budget': [fit['peak'] / budget / MiB for fit in fits
