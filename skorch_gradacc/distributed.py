@@ -511,11 +511,13 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
         """Initialize the module and wrap it for data-parallel training."""
         super().initialize_module()
         if not isinstance(self.module_, DistributedDataParallel):
-            device = torch.device(self.device) if self.device else None
-            device_ids = ([device.index or 0] if device is not None
-                          and device.type == 'cuda' else None)
-            self.module_ = DistributedDataParallel(self.module_,
-                                                   device_ids=device_ids)
+            # DDP wants the module on its device, where skorch moves it
+            # only after initialize_module
+            self.module_ = to_device(self.module_, self.device)
+            param = next(self.module_.parameters(), None)  # DDP says if none
+            self.module_ = DistributedDataParallel(self.module_, device_ids=(
+                [param.device.index] if param is not None and param.is_cuda
+                else None))
         return self
 
     def make_engine(self):
