@@ -80,8 +80,9 @@ def count_syncs():
 @contextlib.contextmanager
 def cuda_sync_errors():
     """Make any synchronizing CUDA call raise; yields an object like
-    :class:`SyncCalls` whose ``enabled`` switches the check."""
-    class Switch:
+    :class:`SyncCalls` whose ``enabled`` switches the check, and always
+    empty: a synchronizing call raises instead of being recorded."""
+    class Switch(list):
         @property
         def enabled(self):
             return torch.cuda.get_sync_debug_mode() != 0

@@ -364,18 +364,21 @@ PARAMS_KEYS = []
 
 def run(scenario, out_dir):
     # FSDP2's reduce-scatters, as they happen: their number and dtypes
+    # (before torch 2.13 FSDP2 calls reduce_scatter_tensor)
     reduce_scatters = []
-    reduce_scatter_single = dist.reduce_scatter_single
+    name = ('reduce_scatter_single' if hasattr(dist, 'reduce_scatter_single')
+            else 'reduce_scatter_tensor')
+    reduce_scatter = getattr(dist, name)
 
     def counting_reduce_scatter(*args, **kwargs):
-        reduce_scatters.append(kwargs['input'].dtype)
-        return reduce_scatter_single(*args, **kwargs)
+        reduce_scatters.append(kwargs.get('input', args[1:2] and args[1]).dtype)
+        return reduce_scatter(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting_reduce_scatter
+    setattr(dist, name, counting_reduce_scatter)
     try:
         net = fit(scenario, out_dir)
     finally:
-        dist.reduce_scatter_single = reduce_scatter_single
+        setattr(dist, name, reduce_scatter)
     if scenario == 'plan':  # refused: net is what refuse() returned
         save_rank(dict(net, reduce_scatters=len(reduce_scatters)), out_dir)
         return
