@@ -37,7 +37,7 @@ from skorch_gradacc.counting import (
     restore_buffers,
     snapshot_buffers,
 )
-from skorch_gradacc.meters import MemoryMeter, tensors_off_the_heap
+from skorch_gradacc.meters import MemoryMeter, memory_settings
 
 __all__ = ['is_out_of_memory', 'margin', 'parse_budget', 'plan_memory']
 
@@ -101,18 +101,18 @@ def parse_budget(value):
 def fit_memory(net):
     """Measure a fit with ``micro_batch_size='auto'``, from its start.
 
-    Around the outermost ``fit`` or ``partial_fit``: on the CPU, tensors
-    get mappings of their own
-    (:func:`~skorch_gradacc.meters.tensors_off_the_heap`), then the fit's
-    meter is ``net.memory_meter_``; after it, the plan records the fit's
-    peak as ``'measured_peak'``.
+    Around the outermost ``fit`` or ``partial_fit``, in
+    :func:`~skorch_gradacc.meters.memory_settings` (on the CPU, tensors get
+    mappings of their own; on CUDA, the allocator is capped at the
+    ``memory_budget`` given), the fit's meter is ``net.memory_meter_``;
+    after it, the plan records the fit's peak as ``'measured_peak'``.
     """
     if net.micro_batch_size != 'auto' or getattr(net, 'memory_meter_', None):
         yield
         return
-    cpu = torch.device(net.device or 'cpu').type == 'cpu'
-    with tensors_off_the_heap() if cpu else contextlib.nullcontext():
-        net.memory_meter_ = meter = MemoryMeter(net.device or 'cpu')
+    device = net.device or 'cpu'
+    with memory_settings(device, parse_budget(net.memory_budget)):
+        net.memory_meter_ = meter = MemoryMeter(device)
         try:
             yield
         finally:

@@ -44,7 +44,7 @@ def available_memory(device):
     True
 
     """
-    device = torch.device(device)
+    device = _indexed(device)
     if device.type == 'cuda':
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
@@ -58,6 +58,54 @@ def available_memory(device):
     limits = [limit for limit in (_status_bytes('/proc/meminfo').get('MemAvailable'),
                                   _cgroup_headroom()) if limit is not None]
     return max(0, min(limits)) if limits else None
+
+
+def _indexed(device):
+    """Return ``device`` with CUDA's index, the allocator's fraction's."""
+    device = torch.device(device)
+    if device.type == 'cuda' and device.index is None:
+        return torch.device('cuda', torch.cuda.current_device())
+    return device
+
+
+@contextlib.contextmanager
+def reserved_memory_cap(device, nbytes):
+    """Cap what torch's caching allocator reserves on a CUDA ``device``.
+
+    At what it reserves now, its cache emptied, plus ``nbytes``, through
+    ``torch.cuda.set_per_process_memory_fraction``; a lower fraction the
+    process set stays, and it is restored after. Past the cap an allocation
+    raises CUDA's out-of-memory error, which a plan's pass and the back-off
+    catch, and cuDNN picks a convolution whose workspace fits: a budget the
+    fit keeps, as a cgroup keeps one on the CPU. Nothing on other devices,
+    with ``nbytes`` None, or where torch cannot read the fraction (before
+    2.5).
+    """
+    device = _indexed(device)
+    fraction = getattr(torch.cuda, 'get_per_process_memory_fraction', None)
+    if device.type != 'cuda' or nbytes is None or fraction is None:
+        yield
+        return
+    before = fraction(device)
+    torch.cuda.empty_cache()  # free blocks cached are not the fit's
+    total = torch.cuda.get_device_properties(device).total_memory
+    capped = (torch.cuda.memory_reserved(device) + nbytes) / total
+    torch.cuda.set_per_process_memory_fraction(min(before, capped), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def memory_settings(device, budget):
+    """Return what a fit with ``micro_batch_size='auto'`` sets in the process.
+
+    A context: on the CPU :func:`tensors_off_the_heap`, on CUDA
+    :func:`reserved_memory_cap` at ``budget`` (bytes, or None).
+    """
+    if torch.device(device).type == 'cpu':
+        return tensors_off_the_heap()
+    return reserved_memory_cap(device, budget)
 
 
 def _status_bytes(path='/proc/self/status'):
@@ -263,8 +311,8 @@ class MemoryMeter:
     --------
     >>> import torch
     >>> meter = MemoryMeter('cpu')
-    >>> x = torch.ones(2 ** 20)  # 4 MiB
-    >>> meter.peak() >= 4 * 2 ** 20 - 2 ** 16  # on Linux
+    >>> x = torch.ones(2 ** 24)  # 64 MiB: over any mmap threshold glibc moves to
+    >>> meter.peak() >= 64 * 2 ** 20 - 2 ** 16  # on Linux
     True
 
     """

@@ -920,3 +920,74 @@ def test_plan_on_cuda_under_a_memory_fraction(clf_data):
     plain = NeuralNetClassifier(WideMLP, **kwargs).fit(X, y)
     for p, q in zip(net.module_.parameters(), plain.module_.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=PARAM_ATOL)
+
+
+def reserved_peak_of(fit):
+    """Run ``fit()``; return the most CUDA memory torch's allocator
+    reserved meanwhile above its start, from its own trace of segments
+    (the planner resets the peak statistics)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(context=None, stacks='python')
+    try:
+        fit()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()['device_traces'][0]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    level = peak = 0
+    for event in trace:
+        level += event['size'] * {'segment_alloc': 1, 'segment_map': 1,
+                                  'segment_free': -1,
+                                  'segment_unmap': -1}.get(event['action'], 0)
+        peak = max(peak, level)
+    return peak
+
+
+class AllocateTheBudget(Callback):
+    """At the fit's start, allocate the budget on CUDA: past the cap on
+    the allocator, an out-of-memory error."""
+
+    def on_train_begin(self, net, **kwargs):
+        try:
+            torch.empty(net.memory_budget, dtype=torch.uint8, device='cuda')
+            self.refused = False
+        except torch.cuda.OutOfMemoryError:
+            self.refused = True
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_cuda_budget_is_a_limit_the_fit_keeps():
+    # 8,192 classes: without a cap, a pass at 1,024 rows once reserved 216
+    # MiB of a budget of 199.5 MiB, where the line of the smaller ones
+    # reached 134 (the allocator's blocks grow faster than the rows); with
+    # the cap at the budget it fails instead, or the allocator first gives
+    # back what it caches
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((8192, 64), dtype=np.float32)
+    y = rng.integers(0, 8192, 8192)
+    kwargs = dict(batch_size=4096, max_epochs=2, train_split=None, verbose=0,
+                  device='cuda', lr=0.01, criterion=torch.nn.CrossEntropyLoss)
+
+    def module():
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 8192))
+
+    fraction = torch.cuda.get_per_process_memory_fraction(0)
+    budget = 200 * 2 ** 20
+    torch.manual_seed(0)
+    probe = AllocateTheBudget()
+    net = GradAccNeuralNetClassifier(module, micro_batch_size='auto',
+                                     memory_budget=budget, callbacks=[probe],
+                                     **kwargs)
+    peak = reserved_peak_of(lambda: net.fit(X, y))
+    print('peak {:.1f} MiB, plan {}'.format(peak / 2 ** 20, net.memory_plan_))
+    assert probe.refused
+    assert peak <= budget, (peak, net.memory_plan_)
+    assert net.memory_plan_['measured_peak'] <= budget
+    assert torch.cuda.get_per_process_memory_fraction(0) == fraction
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(module, **kwargs).fit(X, y)
+    for p, q in zip(net.module_.parameters(), plain.module_.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
