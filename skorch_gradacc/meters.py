@@ -78,8 +78,8 @@ def reserved_memory_cap(device, nbytes):
     raises CUDA's out-of-memory error, which a plan's pass and the back-off
     catch, and cuDNN picks a convolution whose workspace fits: a budget the
     fit keeps, as a cgroup keeps one on the CPU. Nothing on other devices,
-    with ``nbytes`` None, or where torch cannot read the fraction (before
-    2.5).
+    with ``nbytes`` None, or where torch cannot read the fraction to
+    restore it (``get_per_process_memory_fraction``, in newer torch).
     """
     device = _indexed(device)
     fraction = getattr(torch.cuda, 'get_per_process_memory_fraction', None)
