@@ -371,7 +371,9 @@ def run(scenario, out_dir):
     reduce_scatter = getattr(dist, name)
 
     def counting_reduce_scatter(*args, **kwargs):
-        reduce_scatters.append(kwargs.get('input', args[1:2] and args[1]).dtype)
+        # (output, input, ...): by keyword in FSDP2's own calls
+        tensor = kwargs['input'] if 'input' in kwargs else args[1]
+        reduce_scatters.append(tensor.dtype)
         return reduce_scatter(*args, **kwargs)
 
     setattr(dist, name, counting_reduce_scatter)
