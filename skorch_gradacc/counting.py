@@ -477,7 +477,10 @@ def check_loss_is_mean(net, batch, **fit_params):
     (see :func:`snapshot_buffers`). Returns whether the check was decided:
     False when its three passes cannot decide (no items, a loss that is not
     finite); None, without a pass, for fewer than two rows; True,
-    unchecked, with several ranks and for batches that are not ``(X, y)``.
+    unchecked, with several ranks and for batches that are not ``(X, y)``,
+    and with a warning where the passes raise (a ``train_step_single`` of
+    the user's that prepares ``X``, a module whose output in training
+    differs): the training pass shows the user's own errors.
     """
     if n_ranks() > 1:
         return True  # each rank's forward may take part in collectives
@@ -488,17 +491,31 @@ def check_loss_is_mean(net, batch, **fit_params):
         return None
     halves = [batch] + split_batch(batch, (rows + 1) // 2)
     valid = ItemCounts(name='count_loss_items(batch)').check  # as training
-    # the user sees the warnings of the training passes, not these
-    with _without_side_effects(net), torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        losses, counts = [], []
-        for half in halves:
-            Xi, yi = unpack_data(half)
-            y_pred = net.infer(Xi, **fit_params)
-            loss = net.get_loss(y_pred, yi, X=Xi, training=True)
-            losses.append(float(loss))
-            count = valid(net.count_loss_items(half))
-            counts.append(None if count is None else float(count))
+    try:
+        # the user sees the warnings of the training passes, not these
+        with _without_side_effects(net), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            losses, counts = [], []
+            for half in halves:
+                Xi, yi = unpack_data(half)
+                y_pred = net.infer(Xi, **fit_params)
+                loss = net.get_loss(y_pred, yi, X=Xi, training=True)
+                losses.append(float(loss))
+                count = valid(net.count_loss_items(half))
+                counts.append(None if count is None else float(count))
+    except Exception as error:  # noqa: BLE001 (a step or module of its own)
+        from skorch_gradacc.memory import is_out_of_memory  # which imports this
+
+        if is_out_of_memory(error):
+            raise  # the training pass's to back off from
+        warnings.warn(
+            "check_loss could not compute the loss as net.infer(X), then "
+            "get_loss(y_pred, y, training=True) in eval mode: {}: {}. The loss "
+            "is not checked to be a mean; set check_loss=False where "
+            "train_step_single or the module's training output differs on "
+            "purpose.".format(type(error).__name__, error), LossItemsWarning,
+            stacklevel=user_stacklevel())
+        return True
     whole = losses[0]
     expected = weighted_mean(zip(counts[1:], losses[1:]))
     if expected is None:

@@ -6,8 +6,9 @@ import pytest
 import torch
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
+from skorch.dataset import unpack_data
 
-from skorch_gradacc import GradAccNeuralNetClassifier
+from skorch_gradacc import GradAccNeuralNetClassifier, LossItemsWarning
 from skorch_gradacc.grouping import MicroBatchGroup
 
 from conftest import (
@@ -107,6 +108,44 @@ def test_get_loss_override_is_used(clf_data):
     acc_net = L2GradAccNet(**acc_net.get_params())
     plain_net = L2Net(**plain_net.get_params())
     fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net)
+
+
+class WeightedLoss:
+    """A user's get_loss with an argument of its own, which the user's
+    train_step_single passes (skorch's FAQ on sample weights)."""
+
+    def get_loss(self, y_pred, y_true, X=None, training=False, weight=1.0):
+        return weight * super().get_loss(y_pred, y_true, X=X, training=training)
+
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        Xi, yi = unpack_data(batch)
+        y_pred = self.infer(Xi['data'], **fit_params)  # a dict the module can't take
+        loss = self.get_loss(y_pred, yi, X=Xi, training=True, weight=2.0)
+        loss.backward()
+        return {'loss': loss, 'y_pred': y_pred}
+
+
+class WeightedGradAccNet(WeightedLoss, GradAccNeuralNetClassifier):
+    pass
+
+
+class WeightedNet(WeightedLoss, NeuralNetClassifier):
+    pass
+
+
+def test_overrides_of_their_own_signature_train_as_plain_skorch(clf_data):
+    # get_loss's arguments reach it; the loss check, which cannot run the
+    # user's step, warns that it did not check and the fit goes on exactly
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4, train_split=None)  # skorch validates with infer
+    acc_net = WeightedGradAccNet(**acc_net.get_params())
+    plain_net = WeightedNet(**plain_net.get_params())
+    with pytest.warns(LossItemsWarning, match='could not compute the loss'):
+        fit_seeded(acc_net, {'data': X}, y)
+    fit_seeded(plain_net, {'data': X}, y)
     assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
     assert_same_history(acc_net, plain_net)
 
