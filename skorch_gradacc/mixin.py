@@ -296,6 +296,13 @@ class GradAccMixin(PrecisionMixin):
             engine = self.engine_ = self.make_engine()
         return engine
 
+    def __getstate__(self):
+        # the engine holds module_, which skorch pickles apart (to load
+        # anywhere); kept, it would be a second copy: get_engine makes anew
+        state = super().__getstate__()
+        state.pop('engine_', None)
+        return state
+
     def make_engine(self):
         """Return a new engine for ``module_``; see :meth:`get_engine`."""
         return engine_for(getattr(self, 'module_', None),
@@ -477,8 +484,8 @@ class GradAccMixin(PrecisionMixin):
             weight = 1.0
         get_loss = self.get_loss
 
-        def get_weighted_loss(y_pred, y_true, X=None, training=False):
-            loss = get_loss(y_pred, y_true, X=X, training=training)
+        def get_weighted_loss(y_pred, y_true, X=None, training=False, **kwargs):
+            loss = get_loss(y_pred, y_true, X=X, training=training, **kwargs)
             if training:
                 calls.append(True)
                 loss = weighted_loss(loss, y_pred, weight, scaler)

@@ -73,6 +73,18 @@ class TestSklearnApi:
         np.testing.assert_array_equal(loaded.predict_proba(X),
                                       net.predict_proba(X))
 
+    def test_pickle_holds_the_module_once(self, clf_data):
+        # the engine refers to module_, which skorch pickles apart: a copy
+        # of its own would double the pickle and outlive a load
+        X, y = clf_data
+        module = MLPClassifier(n_hidden=256)
+        kwargs = dict(batch_size=8, max_epochs=2, verbose=0)
+        net = fit_seeded(GradAccNeuralNetClassifier(module, acc_steps=3, **kwargs), X, y)
+        plain = fit_seeded(NeuralNetClassifier(module, **kwargs), X, y)
+        assert len(pickle.dumps(net)) < 1.1 * len(pickle.dumps(plain))
+        loaded = pickle.loads(pickle.dumps(net))
+        assert loaded.get_engine().module is loaded.module_
+
     def test_pipeline_and_grid_search(self, clf_data):
         X, y = clf_data
         pipe = Pipeline([
