@@ -204,14 +204,16 @@ def outputs_needed(net):
     reads, at_begin = train_batch_reads(net, getattr(net, 'callbacks_', []))
     batch = ('X' in reads or at_begin or net.micro_batch_size == 'auto'
              or reevaluates_group(net))
-    return {'batch': batch, 'y': 'y' in reads, 'y_pred': 'y_pred' in reads}
+    return {'batch': batch, 'X': 'X' in reads, 'y': 'y' in reads,
+            'y_pred': 'y_pred' in reads}
 
 
 def count_steps_in_progress_bars(net, dataset_train, acc_steps):
     """Make each ProgressBar with ``batches_per_epoch='auto'`` count steps.
 
     skorch's bar counted the epoch's micro-batches of ``batch_size`` rows;
-    a GradAcc net's training batch is a group of ``acc_steps`` of them.
+    a GradAcc net's training batch is a group of ``acc_steps`` of them (over
+    all ranks: the micro-batches a step takes on each, times the ranks).
     """
     if dataset_train is None or acc_steps == 1:
         return

@@ -13,7 +13,9 @@ the skip decision. An engine supplies only what differs:
 * ``Engine.count_unit`` and :meth:`Engine.set_count_unit`: how the count-weighted
   gradients are summed over ranks;
 * :meth:`Engine.end_step` and :meth:`Engine.all_ranks`: the end of the
-  step, and the decisions that every rank must take alike.
+  step, and the decisions that every rank must take alike;
+* :meth:`Engine.share_step`: the step's batch and outputs, as the
+  callbacks see them.
 
 :class:`Engine` is the single process's, the trivial one.
 ``DataParallelEngine`` adds what every data-parallel engine shares,
@@ -30,11 +32,12 @@ import functools
 
 import torch
 import torch.distributed as dist
+from skorch.utils import to_device
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from skorch_gradacc.batching import zero_rows
+from skorch_gradacc.batching import concat_outputs, take_rows, zero_rows
 from skorch_gradacc.counting import scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
@@ -67,6 +70,9 @@ class Engine:
     """
 
     count_unit = None
+
+    #: the ranks that take part in a step
+    world_size = 1
 
     #: None, or what gives every rank the same unit: a callable that returns
     #: the largest of a count over ranks (FSDP2 under fp16)
@@ -144,6 +150,13 @@ class Engine:
         scale_gradients(learnable_gradients(net), counts.mean_scale())
         return counts.loss()
 
+    def share_step(self, group, step):
+        """Return the step the callbacks see; ``group`` gives its batch.
+
+        Here the step as it is: the group's micro-batches are the batch.
+        """
+        return step
+
     def all_ranks(self, ok):
         """Return whether ``ok`` holds on every rank (here: ``ok``)."""
         return ok
@@ -190,6 +203,7 @@ class DataParallelEngine(Engine):
     def __init__(self, module, process_group=None, shard=False):
         super().__init__(module)
         self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
         self.shard = shard
         param = next(module.parameters(), None)
         self.device = param.device if param is not None else torch.device(
@@ -202,7 +216,7 @@ class DataParallelEngine(Engine):
             return ShardedMicroBatchGroups(
                 micro_batches, acc_steps,
                 rank=dist.get_rank(self.process_group),
-                world_size=dist.get_world_size(self.process_group),
+                world_size=self.world_size,
                 keep=keep, keep_targets=keep_targets, device=self.device,
                 process_group=self.process_group)
         if length_or_none(micro_batches) is None:
@@ -238,6 +252,36 @@ class DataParallelEngine(Engine):
         scale_gradients(learnable_gradients(net),
                         counts.mean_scale(total=total, count_unit=unit))
         return counts.loss(loss_sum=loss, total=total)
+
+    def share_step(self, group, step):
+        """Return the step's outputs over all ranks; ``group`` gives their inputs.
+
+        What the group keeps of its micro-batches (themselves, or their
+        targets) and the outputs, gathered on every rank in the large
+        batch's order (rank ``r``'s micro-batch ``j`` is the step's ``j * W
+        + r``; a rank's zero-row placeholder is left out), so that the
+        callbacks score what the large batch would, as in validation. On the
+        CPU.
+        """
+        y_pred, rows = step.get('y_pred'), group.micro_rows
+        starts = [sum(rows[:index]) for index in range(len(rows) + 1)]
+        kept = group._kept if group.keep else (
+            group._targets if group.keep_targets else None)
+        mine = [(
+            None if kept is None else to_device(kept[index], 'cpu'),
+            None if y_pred is None else to_device(take_rows(
+                y_pred, slice(starts[index], starts[index + 1])), 'cpu'))
+            for index, n in enumerate(rows) if n]
+        shares = [None] * self.world_size
+        dist.all_gather_object(shares, mine, group=self.process_group)
+        ordered = [share[index] for index in range(max(map(len, shares)))
+                   for share in shares if index < len(share)]
+        if kept is not None:
+            whole = concat_outputs([batch for batch, _ in ordered])
+            group.shared = whole if group.keep else (group._whole()[0], whole)
+        if y_pred is not None:
+            step = dict(step, y_pred=concat_outputs([out for _, out in ordered]))
+        return step
 
     def all_ranks(self, ok):
         """Return whether ``ok`` holds on every rank (one all-reduce)."""

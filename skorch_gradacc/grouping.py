@@ -119,6 +119,14 @@ class MicroBatchGroup:
     rows_in_flight : int
       The rows of the micro-batch being trained on, set by the net.
 
+    micro_rows : list of int
+      The rows of each micro-batch pulled.
+
+    shared : tuple or None
+      The batch over all ranks, once the step is done
+      (:meth:`~skorch_gradacc.engine.Engine.share_step`): what the group
+      gives then.
+
     """
 
     def __init__(self, first, source, size, keep=False, keep_targets=False):
@@ -132,6 +140,8 @@ class MicroBatchGroup:
         self.n_micro_batches = 0
         self.n_rows = 0
         self.rows_in_flight = 0
+        self.micro_rows = []
+        self.shared = None
         self._exhausted = False
 
     def _pull(self):
@@ -145,7 +155,8 @@ class MicroBatchGroup:
             if micro is END:
                 return END
         self.n_micro_batches += 1
-        self.n_rows += batch_len(micro)
+        self.micro_rows.append(batch_len(micro))
+        self.n_rows += self.micro_rows[-1]
         if self.keep:
             self._kept.append(micro)
         elif self.keep_targets:
@@ -187,6 +198,8 @@ class MicroBatchGroup:
                 pass
 
     def _whole(self):
+        if self.shared is not None:
+            return self.shared
         if self.keep:
             self.skip_rest()  # pull what is left into the kept list
             return concat_outputs(self._kept)

@@ -196,8 +196,9 @@ class GradAccMixin(PrecisionMixin):
         """Call the callbacks; a ``ProgressBar`` is told the epoch's steps."""
         super().notify(method_name, **cb_kwargs)
         if method_name == 'on_epoch_begin':
-            count_steps_in_progress_bars(
-                self, cb_kwargs.get('dataset_train'), self.get_acc_steps())
+            count_steps_in_progress_bars(  # W ranks: acc_steps * W a step
+                self, cb_kwargs.get('dataset_train'),
+                self.get_acc_steps() * self.get_engine().world_size)
 
     def initialize(self):
         """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
@@ -324,6 +325,8 @@ class GradAccMixin(PrecisionMixin):
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
             self._keep_train_y_pred_ = needed['y_pred']
+            # over all ranks, for the callbacks that read the batch at its end
+            self._share_train_step_ = needed['X'] or needed['y'] or needed['y_pred']
             iterator = self.get_engine().groups(
                 iterator, self.get_acc_steps(), keep=needed['batch'],
                 keep_targets=needed['y'])
@@ -337,7 +340,9 @@ class GradAccMixin(PrecisionMixin):
 
         skorch's ``train_step``, with the gradient of
         :meth:`accumulate_gradients`. An exception midway discards the
-        partial gradient; the optimizers have not stepped.
+        partial gradient; the optimizers have not stepped. Where callbacks
+        read the batch or outputs, the engine gives those of all ranks
+        (:meth:`~skorch_gradacc.engine.Engine.share_step`).
         """
         if not isinstance(batch, MicroBatchGroup):  # plain skorch's training
             return super().train_step(batch, **fit_params)
@@ -364,7 +369,10 @@ class GradAccMixin(PrecisionMixin):
             # have not stepped, and the partial gradient must not survive.
             self._zero_grad_optimizer()
             raise
-        return _as_skorch_step(step_accumulator.get_step())
+        step = _as_skorch_step(step_accumulator.get_step())
+        if getattr(self, '_share_train_step_', False):
+            step = self.get_engine().share_step(batch, step)
+        return step
 
     # Accumulation and normalization
 
@@ -437,7 +445,9 @@ class GradAccMixin(PrecisionMixin):
                     note_pass_error(self, error, group, is_last, **fit_params)
                 raise
             counts.add_loss(step['loss'].detach())
-            if keep_y_pred and batch_len(piece):
+            # a zero-row piece's too where it is the first: a rank without
+            # rows in the step passes callbacks outputs of no rows, not None
+            if keep_y_pred and (batch_len(piece) or not y_preds):
                 y_preds.append(detach_outputs(step['y_pred']))
             del step, piece  # frees the piece's graph and outputs
         loss = engine.end_step(self, group, counts)

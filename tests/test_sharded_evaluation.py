@@ -1,4 +1,5 @@
-"""Validation and inference shared among ranks, against one process.
+"""Validation, inference and training scores shared among ranks, against
+one process.
 
 torchrun starts tests/torchrun_scripts/eval_worker.py on 2 gloo ranks, once
 for the three engines (the fixture ``launch``); the
@@ -30,7 +31,7 @@ from torchrun_launch import assert_launch_succeeded, launch_scenarios  # noqa: E
 
 ENGINES = ['ddp', 'fsdp', 'fsdp-micro']
 SCORES = ['valid_loss', 'valid_acc', 'valid_accuracy', 'valid_nll',
-          'valid_bacc']
+          'valid_bacc', 'train_accuracy', 'train_bacc', 'bar_total']
 
 
 @pytest.fixture(scope='module')

@@ -7,14 +7,15 @@ pieces), run one after another (see worker_common.py). For each, a
 classifier trains on 195 rows for 2 epochs (``batch_size=8``,
 ``acc_steps=3``) with 61 validation rows in batches of 7 (9 batches, uneven
 over the ranks), scored by ``EpochScoring`` with and without caching and by
-``BatchScoring``; then ``predict`` and ``predict_proba`` on the validation
-rows. The module counts the rows and forward passes it evaluates. Each rank
+``BatchScoring``, and on the training batches (rank 1 has none in the last
+step), with a ``ProgressBar``; then ``predict`` and ``predict_proba`` on the
+validation rows. The module counts the rows and forward passes it evaluates. Each rank
 saves its history, predictions and counts to OUT_DIR/ENGINE/rank{r}.pt.
 """
 
 import sys
 
-from skorch.callbacks import BatchScoring, EpochScoring
+from skorch.callbacks import BatchScoring, Callback, EpochScoring, ProgressBar
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
@@ -43,11 +44,23 @@ class CountingMLP(MLPClassifier):
         return super().forward(X)
 
 
+class BarTotal(Callback):
+    """Records the steps the ProgressBar expects in the epoch."""
+
+    train_batch_reads = ()
+
+    def on_epoch_end(self, net, **kwargs):
+        net.history.record('bar_total', dict(net.callbacks_)['progressbar'].pbar_.total)
+
+
 def scoring():
     return [
         EpochScoring('accuracy', lower_is_better=False, name='valid_accuracy'),
         EpochScoring('neg_log_loss', use_caching=False, name='valid_nll'),
         BatchScoring('accuracy', lower_is_better=False, name='valid_bacc'),
+        EpochScoring('accuracy', on_train=True, name='train_accuracy'),
+        BatchScoring('accuracy', on_train=True, name='train_bacc'),
+        ('progressbar', ProgressBar()), BarTotal(),
     ]
 
 
