@@ -455,6 +455,10 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             return
         optimizer = getattr(self, attr)
         state_dict = _renamed(state_dict, self._param_names(optimizer))
+        if not state_dict['state']:
+            # a stateless optimizer (SGD without momentum): nothing to shard,
+            # and the full load needs a local state tensor for its device
+            options = StateDictOptions(full_state_dict=False)
         set_optimizer_state_dict(self.module_, optimizer, state_dict,
                                  options=options)
 

@@ -96,6 +96,8 @@ LAUNCHES = {
                  fit('fsdp', 3, 2, 3, mode='rank0'), fit('ddp', 2, 3, 4)],
     'restart-ddp': [fit('ddp', 2, 3, 5, **RESTART)],
     'restart-fsdp': [fit('fsdp', 2, 3, 5, **RESTART)],
+    'restart-fsdp-sgd': [fit('fsdp', 2, 3, 5, mode='crash_sgd',
+                             options=RESTARTS, env=FRESH_STORE)],
     'shuffle-restart': [fit('ddp', 2, 3, 5, mode='crash_shuffle',
                             options=RESTARTS, env=FRESH_STORE)],
     'shuffle-once': [fit('ddp', 2, 3, 5, mode='train_shuffle')],
@@ -118,23 +120,27 @@ def results(name):
     return done
 
 
-def plain_net(**kwargs):
+def plain_net(momentum=0.9, **kwargs):
     X, y = regression_data(N_TRAIN + N_VALID)
     valid = Dataset(X[N_TRAIN:], y[N_TRAIN:])
     return NeuralNetRegressor(
-        MLPRegressor, batch_size=LARGE_BATCH, lr=0.05, optimizer__momentum=0.9,
-        train_split=predefined_split(valid), verbose=0,
-        **kwargs), X[:N_TRAIN], y[:N_TRAIN]
+        MLPRegressor, batch_size=LARGE_BATCH, lr=0.05,
+        optimizer__momentum=momentum, train_split=predefined_split(valid),
+        verbose=0, **kwargs), X[:N_TRAIN], y[:N_TRAIN]
+
+
+def train_oracle(momentum=0.9):
+    """Plain skorch, 5 uninterrupted epochs; its parameters after each."""
+    record = RecordParams()
+    net, X, y = plain_net(momentum, max_epochs=5, callbacks=[record])
+    torch.manual_seed(0)
+    net.fit(X, y)
+    return net, record.params_
 
 
 @pytest.fixture(scope='module')
 def oracle():
-    """Plain skorch, 5 uninterrupted epochs; its parameters after each."""
-    record = RecordParams()
-    net, X, y = plain_net(max_epochs=5, callbacks=[record])
-    torch.manual_seed(0)
-    net.fit(X, y)
-    return net, record.params_
+    return train_oracle()
 
 
 def load_plain(cp_dir):
@@ -211,6 +217,20 @@ def test_a_restart_resumes_as_if_uninterrupted(oracle, engine):
     assert [rank['restart'] for rank in ranks] == [1, 1]
     assert all(len(rank['history']) == 5 for rank in ranks)
     assert_matches_oracle(load_plain(cp), oracle, 5)
+    assert [rank['lr'] for rank in ranks] == [0.05, 0.05]
+
+
+@launched('restart-fsdp-sgd')
+def test_a_restart_with_a_stateless_optimizer_resumes():
+    # skorch's default SGD, without momentum, holds no state tensors: FSDP
+    # loads its param_groups alone, on the restart and in load_params
+    # (before: "Expected device to be set")
+    [(ranks, cp)] = results('restart-fsdp-sgd')
+    assert [rank['restart'] for rank in ranks] == [1, 1]
+    assert all(len(rank['history']) == 5 for rank in ranks)
+    assert not torch.load(cp / 'optimizer.pt')['state']
+    assert_matches_oracle(load_plain(cp), train_oracle(momentum=0), 5)
+    assert [rank['lr'] for rank in ranks] == [0.05, 0.05]
 
 
 @launched('shuffle-restart', 'shuffle-once')

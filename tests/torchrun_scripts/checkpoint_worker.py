@@ -16,16 +16,19 @@ docs/scaling_out.rst says). MODE is
   4, in the first attempt only (``TORCHELASTIC_RESTART_COUNT``);
 * ``crash_shuffle``: the same with ``iterator_train__shuffle=True`` and
   dropout (p=0.3);
+* ``crash_sgd``: the same as ``crash`` without momentum: the optimizer
+  (skorch's default SGD) holds no state;
 * ``train_shuffle``: ``crash_shuffle`` uninterrupted.
 
 After the fit (but in ``rank0``), every rank calls ``save_params`` and then
 ``load_params``
-into a new net, whose parameters it saves; rank 0 waits 1 s before it
-writes the parameters, so a ``load_params`` that did not wait for the
-ranks would read before the file is there.
+into a new net, whose parameters it saves, and whose lr (set to another
+one first) is the file's; rank 0 waits 1 s before it writes the
+parameters, so a ``load_params`` that did not wait for the ranks would
+read before the file is there.
 
-Each rank saves its files written (``torch.save`` calls), history and
-restart count to OUT_DIR/rank{r}.pt.
+Each rank saves its files written (``torch.save`` calls), history,
+restart count and the new net's lr to OUT_DIR/rank{r}.pt.
 """
 
 import os
@@ -120,12 +123,13 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
         callbacks.append(CrashInEpoch4())
     net_cls = DDPRegressor if engine == 'ddp' else fsdp_regressor()
     shuffle = mode.endswith('_shuffle')
+    momentum = 0 if mode == 'crash_sgd' else 0.9
     torch.manual_seed(0)  # the same initial weights on every rank
 
     def make_net(**kwargs):
         return net_cls(DropoutRegressor if shuffle else MLPRegressor,
                        batch_size=BATCH_SIZE, acc_steps=int(acc_steps),
-                       lr=0.05, optimizer__momentum=0.9,
+                       lr=0.05, optimizer__momentum=momentum,
                        train_split=predefined_split(valid),
                        iterator_train__shuffle=shuffle, verbose=0, **kwargs)
 
@@ -148,7 +152,9 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
         # every rank saves, rank 0 slowly, and loads what rank 0 wrote
         # (initialized first: DDP's wrapping waits for every rank)
         loaded = make_net().initialize()
-        final = {'f_params': out_dir / 'final_params.pt'}
+        loaded.set_params(lr=1.0)  # the file's lr replaces it
+        final = {'f_params': out_dir / 'final_params.pt',
+                 'f_optimizer': out_dir / 'final_optimizer.pt'}
         SLOW_SAVES.append(True)
         net.save_params(**final)
         SLOW_SAVES.clear()
@@ -161,6 +167,7 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
         'error': error,
         'restart': int(os.environ.get('TORCHELASTIC_RESTART_COUNT', -1)),
         'history': net.history.to_list(),
+        'lr': loaded.optimizer_.param_groups[0]['lr'] if loaded else None,
     }, out_dir, save=_torch_save)
     finish()
 
