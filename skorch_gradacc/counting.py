@@ -9,6 +9,7 @@ are Python numbers, or tensors that are never read on the host, so that
 counting never waits for the device.
 """
 
+import contextlib
 import math
 import numbers
 import random
@@ -372,6 +373,34 @@ def weighted_loss(loss, y_pred, weight, scaler):
         return loss  # nothing to weight or scale
     # the value of the loss, the gradient of the weighted one
     return loss.detach() + (weighted - weighted.detach()).to(loss.dtype)
+
+
+@contextlib.contextmanager
+def get_loss_weighted(net, weight, scaler):
+    """Weigh the loss of ``net.get_loss`` in training, inside the block.
+
+    ``get_loss`` is replaced on the instance by one that returns
+    :func:`weighted_loss` of skorch's (or the user's) with the user's
+    arguments, so that any ``train_step_single`` that calls it weighs its
+    loss (skorch has no loss hook). Yields the list of its training calls.
+    """
+    get_loss, calls = net.get_loss, []
+
+    def get_weighted_loss(y_pred, y_true, X=None, training=False, **kwargs):
+        loss = get_loss(y_pred, y_true, X=X, training=training, **kwargs)
+        if training:
+            calls.append(True)
+            loss = weighted_loss(loss, y_pred, weight, scaler)
+        return loss
+
+    own = vars(net).get('get_loss')  # e.g. a test's mock
+    net.get_loss = get_weighted_loss
+    try:
+        yield calls
+    finally:
+        del net.get_loss
+        if own is not None:
+            net.get_loss = own
 
 
 def scale_gradients(grads, scale):

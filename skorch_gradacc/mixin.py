@@ -29,11 +29,11 @@ from skorch_gradacc.counting import (
     ItemCounts,
     check_loss_while_pending,
     count_items,
+    get_loss_weighted,
     merge_piece_records,
     scale_gradients,
     validate_in_pieces,
     warn_of_batch_norm,
-    weighted_loss,
 )
 from skorch_gradacc.engine import (
     DataParallelEngine,
@@ -259,8 +259,9 @@ class GradAccMixin(PrecisionMixin):
         Returns
         -------
         needed : dict
-          ``{'batch': bool, 'y': bool, 'y_pred': bool}``: whether the group
-          keeps its micro-batches, its targets, and its outputs.
+          ``{'batch': bool, 'X': bool, 'y': bool, 'y_pred': bool}``: whether
+          the group keeps its micro-batches, whether callbacks read them, and
+          whether it keeps its targets, and its outputs.
 
         Examples
         --------
@@ -275,7 +276,7 @@ class GradAccMixin(PrecisionMixin):
         ...     make_classifier(), acc_steps=4, callbacks=[
         ...         PrintLoss(), EpochScoring('accuracy', on_train=True)])
         >>> net.initialize().get_train_outputs_needed()
-        {'batch': False, 'y': True, 'y_pred': True}
+        {'batch': False, 'X': False, 'y': True, 'y_pred': True}
 
         """
         return outputs_needed(self)
@@ -473,9 +474,8 @@ class GradAccMixin(PrecisionMixin):
     def _train_piece(self, piece, counts, is_last, **fit_params):
         """Run ``train_step_single`` on one piece, weighted by its count.
 
-        In the engine's context and under :meth:`autocast`. ``get_loss`` is
-        replaced on the instance for the call, so that overrides of
-        ``train_step_single`` keep working (skorch has no loss hook). A
+        In the engine's context and under :meth:`autocast`, with ``get_loss``
+        weighted (:func:`~skorch_gradacc.counting.get_loss_weighted`). A
         piece without items (weight 0) gets a zero gradient through its
         outputs. Values recorded in the history row are noted for
         :func:`~skorch_gradacc.counting.merge_piece_records`.
@@ -483,7 +483,7 @@ class GradAccMixin(PrecisionMixin):
         check_loss_while_pending(self, piece, **fit_params)
         row = self._current_batch_row()
         before = dict(row) if row is not None else None
-        weight, scaler, calls = counts.weight, self._get_grad_scaler(), []
+        weight, scaler = counts.weight, self._get_grad_scaler()
         # a train_step_single that computed its loss without get_loss on an
         # earlier piece: in one process, .grad is rescaled around it instead
         rescale = (getattr(counts, 'without_get_loss', False)
@@ -492,34 +492,15 @@ class GradAccMixin(PrecisionMixin):
         if rescale:
             scale_gradients(learnable_gradients(self), 1 / weight)
             weight = 1.0
-        get_loss = self.get_loss
-
-        def get_weighted_loss(y_pred, y_true, X=None, training=False, **kwargs):
-            loss = get_loss(y_pred, y_true, X=X, training=training, **kwargs)
-            if training:
-                calls.append(True)
-                loss = weighted_loss(loss, y_pred, weight, scaler)
-            return loss
-
-        own = vars(self).get('get_loss')  # e.g. a test's mock
-        self.get_loss = get_weighted_loss  # what train_step_single calls
-        try:
-            with self.get_engine().context(is_last), self.autocast():
-                step = self.train_step_single(piece, **fit_params)
-        finally:
-            del self.get_loss
-            if own is not None:
-                self.get_loss = own
+        with (get_loss_weighted(self, weight, scaler) as calls,
+              self.get_engine().context(is_last), self.autocast()):
+            step = self.train_step_single(piece, **fit_params)
         if rescale:
             scale_gradients(learnable_gradients(self), counts.weight)
         if not calls:
             if (scaler is not None or isinstance(weight, torch.Tensor)
                     or weight not in (None, 1)):
-                raise RuntimeError(
-                    "GradAccMixin weights each micro-batch's loss (and, with "
-                    "mixed_precision='fp16', scales it) as it leaves get_loss; "
-                    "an override of train_step_single must compute the loss "
-                    "with self.get_loss(..., training=True).")
+                raise RuntimeError(_WITHOUT_GET_LOSS)
             counts.without_get_loss = True  # the next pieces rescale .grad
         if row is not None and self._piece_records_ is not None:
             self._piece_records_.append((counts.count, {
@@ -575,6 +556,13 @@ class GradAccMixin(PrecisionMixin):
             return super().evaluation_step(batch, training=training)
         return concat_outputs([super(GradAccMixin, self).evaluation_step(
             piece, training=training) for piece in pieces])
+
+
+_WITHOUT_GET_LOSS = (
+    "GradAccMixin weights each micro-batch's loss (and, with "
+    "mixed_precision='fp16', scales it) as it leaves get_loss; an override of "
+    "train_step_single must compute the loss with self.get_loss(..., "
+    "training=True).")
 
 
 def _as_skorch_step(step):

@@ -208,13 +208,13 @@ class TestBatchReads:
             pass
 
     @pytest.mark.parametrize('callbacks, expected', [
-        ([], {'batch': False, 'y': False, 'y_pred': False}),
-        ([Declared()], {'batch': False, 'y': False, 'y_pred': True}),
-        ([Undeclared()], {'batch': True, 'y': True, 'y_pred': True}),
-        ([Mock()], {'batch': False, 'y': False, 'y_pred': False}),
+        ([], {'batch': False, 'X': False, 'y': False, 'y_pred': False}),
+        ([Declared()], {'batch': False, 'X': False, 'y': False, 'y_pred': True}),
+        ([Undeclared()], {'batch': True, 'X': True, 'y': True, 'y_pred': True}),
+        ([Mock()], {'batch': False, 'X': False, 'y': False, 'y_pred': False}),
         ([ProgressBar(), LRScheduler('StepLR', step_size=1,
                                      step_every='batch')],
-         {'batch': False, 'y': False, 'y_pred': False}),
+         {'batch': False, 'X': False, 'y': False, 'y_pred': False}),
     ])
     @pytest.mark.filterwarnings('ignore:.*does not declare what it reads')
     def test_what_is_kept(self, callbacks, expected):
