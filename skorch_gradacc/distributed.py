@@ -482,6 +482,11 @@ class ShardedEvaluationMixin:
 
 # DistributedDataParallel
 
+def requires_grad(module):
+    """Return which of ``module``'s parameters require a gradient."""
+    return [param.requires_grad for param in module.parameters()]
+
+
 class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
                               ShardedEvaluationMixin):
     """Mixin that trains a GradAcc net with DistributedDataParallel.
@@ -513,12 +518,54 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
         if not isinstance(self.module_, DistributedDataParallel):
             # DDP wants the module on its device, where skorch moves it
             # only after initialize_module
-            self.module_ = to_device(self.module_, self.device)
-            param = next(self.module_.parameters(), None)  # DDP says if none
-            self.module_ = DistributedDataParallel(self.module_, device_ids=(
-                [param.device.index] if param is not None and param.is_cuda
-                else None))
+            self.module_ = self._wrap(to_device(self.module_, self.device))
         return self
+
+    def _wrap(self, module):
+        """Return ``module`` wrapped in DistributedDataParallel.
+
+        Which of its parameters require a gradient is kept in
+        ``_wrapped_requires_grad_``, for :meth:`run_single_epoch`.
+        """
+        param = next(module.parameters(), None)  # DDP says if none
+        self._wrapped_requires_grad_ = requires_grad(module)
+        return DistributedDataParallel(module, device_ids=(
+            [param.device.index] if param is not None and param.is_cuda
+            else None))
+
+    def run_single_epoch(self, iterator, training, prefix, step_fn,
+                         **fit_params):
+        """Run the epoch; in training, wrap the module anew if need be.
+
+        If a callback (skorch's ``Freezer``, ``Unfreezer``) or the user has
+        changed which parameters require a gradient since the module was
+        wrapped, it is wrapped anew, on every rank.
+        """
+        module = self.module_
+        if (training and isinstance(module, DistributedDataParallel)
+                and module is not self.module  # not the user's own wrapper
+                and requires_grad(module.module)
+                != self._wrapped_requires_grad_):
+            # DDP syncs the parameters that required a gradient when it
+            # wrapped: it would raise for want of a frozen one's gradient,
+            # and leave an unfrozen one's unsynced
+            self.module_ = self._wrap(module.module)
+        return super().run_single_epoch(
+            iterator, training, prefix, step_fn, **fit_params)
+
+    def get_all_learnable_params(self):
+        """Yield the learnable parameters, named as in the unwrapped module.
+
+        skorch matches these names against the patterns of
+        ``optimizer__param_groups``, ``Freezer`` and ``ParamMapper``:
+        without DDP's ``module.`` prefix, they match as in a plain net.
+        """
+        names = {}
+        if isinstance(self.module_, DistributedDataParallel):
+            names = {param: name for name, param
+                     in self.module_.module.named_parameters()}
+        for name, param in super().get_all_learnable_params():
+            yield names.get(param, name), param
 
     def make_engine(self):
         """Return the DDP engine, which shards the training iterator."""

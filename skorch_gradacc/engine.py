@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from skorch_gradacc.batching import concat_outputs, take_rows, zero_rows
-from skorch_gradacc.counting import scale_gradients
+from skorch_gradacc.counting import net_modules, scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
@@ -241,6 +241,7 @@ class DataParallelEngine(Engine):
                           group.n_rows)])
         dist.all_reduce(values, group=self.process_group)
         total, loss, rows = values
+        self._sum_other_gradients(net)
         if hasattr(group, 'global_rows'):
             group.global_rows = rows
         # the summed gradient over all ranks is in units of 1, or of the
@@ -252,6 +253,31 @@ class DataParallelEngine(Engine):
         scale_gradients(learnable_gradients(net),
                         counts.mean_scale(total=total, count_unit=unit))
         return counts.loss(loss_sum=loss, total=total)
+
+    def _sum_other_gradients(self, net):
+        """Sum over ranks the gradients of learnable parameters outside the module.
+
+        DDP and FSDP2 reduce the module's (and DDP those of any module or
+        criterion it wraps, as Accelerate's); skorch also trains a
+        criterion's own, which would otherwise stay each rank's. In units of
+        1, as the module's (DDP's hook scales by ``bucket_scale`` so); a rank
+        without a gradient adds zeros.
+        """
+        wrapped = [self.module] + [module for module in net_modules(net)
+                                   if isinstance(module, DistributedDataParallel)]
+        own = {id(param) for module in wrapped for param in module.parameters()}
+        params = [param for _, param in net.get_all_learnable_params()
+                  if id(param) not in own]
+        if not params:
+            return
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        flat = torch.cat([param.grad.reshape(-1) for param in params])
+        flat *= getattr(self, 'bucket_scale', 1.0)
+        dist.all_reduce(flat, group=self.process_group)
+        for param, summed in zip(params, flat.split([p.numel() for p in params])):
+            param.grad.copy_(summed.view_as(param.grad))
 
     def share_step(self, group, step):
         """Return the step's outputs over all ranks; ``group`` gives their inputs.

@@ -64,6 +64,19 @@ class ConvMLPClassifier(MLPClassifier):
         return super().forward(self.conv(X[:, None, :])[:, 0])
 
 
+class TemperedNLL(torch.nn.Module):
+    """A criterion with a parameter of its own, which skorch trains: the NLL
+    of probabilities sharpened by a learnable temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_t = torch.nn.Parameter(torch.zeros((), dtype=DTYPE))
+
+    def forward(self, y_proba, y):
+        logits = torch.log(y_proba) * self.log_t.exp()
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
 class Conv2dFront(torch.nn.Module):
     """A float32 convolution of ``channels`` channels over each row spread
     to an image: on the CPU, oneDNN compiles code for each new number of

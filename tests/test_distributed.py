@@ -17,7 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from skorch import NeuralNet, NeuralNetClassifier
-from skorch.callbacks import Callback, Checkpoint, LoadInitState
+from skorch.callbacks import (
+    Callback,
+    Checkpoint,
+    Freezer,
+    LoadInitState,
+    Unfreezer,
+)
 from skorch.dataset import Dataset
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
@@ -40,6 +46,7 @@ from skorch_gradacc.distributed import DistributedGradAccMixin
 from conftest import (
     PARAM_ATOL,
     MLPClassifier,
+    TemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
 )
@@ -53,7 +60,7 @@ TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
-             'tokens', 'bucket', 'iterable']
+             'tokens', 'bucket', 'iterable', 'groups', 'freeze', 'criterion']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
 LAUNCH_LIMIT = 480
@@ -291,6 +298,41 @@ def test_iterable_dataset_of_micro_batches(ddp):
         NeuralNet, StreamedBatches(ready_batches(ACC_STEPS * WORLD_SIZE)),
         module=TokenLM, batch_size=None, **STREAM)
     assert_same_as_single_process(ranks, net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+@pytest.mark.parametrize('scenario, kwargs', [
+    ('groups', dict(optimizer__param_groups=[('hidden.*', {'lr': 0.0})])),
+    ('freeze', dict(callbacks=[Freezer('hidden.*'),
+                               Unfreezer('hidden.*', at=2)])),
+])
+def test_parameter_name_patterns_match_as_in_a_plain_net(ddp, scenario,
+                                                         kwargs):
+    # skorch matches 'hidden.*' against the names of the module's
+    # parameters, not DDP's 'module.hidden.weight'; the parameters that the
+    # Unfreezer thaws, frozen when DDP wrapped the module, are synced too
+    ranks = ddp.ranks(scenario)
+    net = classifier(195, **kwargs)
+    for rank in ranks:
+        assert rank['param_groups'] == [
+            len(group['params']) for group in net.optimizer_.param_groups]
+        assert_params_equal(rank['params'], net)
+        np.testing.assert_allclose(rank['train_loss'],
+                                   net.history[:, 'train_loss'], rtol=1e-10)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_criterions_parameters_are_trained_over_all_ranks(ddp):
+    # DDP reduces the module's gradients; the criterion's are summed apart
+    ranks = ddp.ranks('criterion')
+    net = classifier(195, criterion=TemperedNLL)
+    for rank in ranks:
+        for key, value in net.criterion_.state_dict().items():
+            torch.testing.assert_close(rank['criterion'][key], value,
+                                       rtol=0, atol=PARAM_ATOL)
+        assert_same_as_single_process([rank], net)
 
 
 @pytest.mark.cuda

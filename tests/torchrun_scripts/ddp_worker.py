@@ -13,6 +13,11 @@ Accelerate's state lives as long as the process)
 * ``tokens``: a token-level loss whose item counts differ between ranks;
 * ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
 * ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
+* ``groups``: ``samples`` with ``optimizer__param_groups`` that match
+  ``hidden.*``;
+* ``freeze``: ``samples`` with skorch's ``Freezer('hidden.*')`` and an
+  ``Unfreezer`` of it at the second epoch;
+* ``criterion``: ``samples`` with a criterion that has a parameter;
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
@@ -37,7 +42,7 @@ import sys
 
 import torch
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback
+from skorch.callbacks import Callback, Freezer, Unfreezer
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
@@ -61,13 +66,14 @@ from skorch_gradacc import (
 )
 from skorch_gradacc.distributed import DistributedGradAccMixin
 
-from conftest import MLPClassifier, classification_data
+from conftest import MLPClassifier, TemperedNLL, classification_data
 
 BATCH_SIZE, ACC_STEPS = 8, 3
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
 # (rank 0's) and one of 5 (rank 1's)
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
-             'apart': 61, 'plan': 195, 'plan_fails': 195}
+             'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
+             'freeze': 195, 'criterion': 195}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -197,6 +203,13 @@ def make_net_and_data(scenario, rank, device):
     if scenario == 'plan':
         common.update(micro_batch_size='auto',
                       memory_budget=1 if rank == 1 else None)
+    if scenario == 'groups':
+        common['optimizer__param_groups'] = [('hidden.*', {'lr': 0.0})]
+    if scenario == 'freeze':
+        common['callbacks'] = [Freezer('hidden.*'),
+                               Unfreezer('hidden.*', at=2)]
+    if scenario == 'criterion':
+        common['criterion'] = TemperedNLL
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -220,6 +233,10 @@ def run(scenario, out_dir, device):
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
         'allreduces': net.engine_.allreduces,
+        'criterion': {key: value.cpu() for key, value in getattr(
+            net.criterion_, 'state_dict', dict)().items()},  # not a Module
+        'param_groups': [len(group['params'])
+                         for group in net.optimizer_.param_groups],
         'steps': sum(net.history[:, 'train_batch_count']),
         'micro_batches': net.micro_batches_,
         'rows': net.rows_,
@@ -264,6 +281,8 @@ def refuse(net, X, y, out_dir):
             for key, value in params_of(net).items()),
         'optimizer_state': len(net.optimizer_.state),
         'allreduces': net.engine_.allreduces,
+        'criterion': {key: value.cpu() for key, value in getattr(
+            net.criterion_, 'state_dict', dict)().items()},  # not a Module
         'micro_batches': getattr(net, 'micro_batches_', 0),
         'memory_plan_': net.memory_plan_,
         # the rows of the batches that trained: with a loss
