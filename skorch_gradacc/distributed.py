@@ -232,7 +232,9 @@ class RankZeroCheckpointMixin:
 
         It waits for every rank first, so that a file that rank 0 writes
         is complete. The arguments are those of skorch's ``load_params``.
-        The rank's random state is restored too, if its file is there.
+        The rank's random state is restored too, if its file is there, but
+        at the end of training (``Checkpoint(load_best=True)``): there plain
+        skorch's random state goes on.
         """
         wait_for_ranks('load_params', self.rank_wait_timeout)
         files = dict(kwargs, f_params=f_params, f_optimizer=f_optimizer,
@@ -242,8 +244,17 @@ class RankZeroCheckpointMixin:
             files = dict(checkpoint.get_formatted_files(self), **{
                 key: value for key, value in files.items() if value})
         path = random_state_path(files, this_rank())
-        if path is not None and os.path.exists(path):
+        if (path is not None and os.path.exists(path)
+                and not getattr(self, '_at_train_end_', False)):
             set_random_state(torch.load(path, weights_only=True))
+
+    def notify(self, method_name, **cb_kwargs):
+        """Call the callbacks; note when it is the end of training."""
+        self._at_train_end_ = method_name == 'on_train_end'
+        try:
+            super().notify(method_name, **cb_kwargs)
+        finally:
+            self._at_train_end_ = False
 
     def checkpoint_states(self, files):
         """Return the context in which ``save_params`` writes ``files``.

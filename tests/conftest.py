@@ -77,6 +77,16 @@ class TemperedNLL(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, y)
 
 
+class FirstIsBest(Callback):
+    """Records ``first_best``: the first epoch is the best, for a
+    ``Checkpoint(monitor='first_best')``."""
+
+    train_batch_reads = ()
+
+    def on_epoch_end(self, net, **kwargs):
+        net.history.record('first_best', len(net.history) == 1)
+
+
 class Conv2dFront(torch.nn.Module):
     """A float32 convolution of ``channels`` channels over each row spread
     to an image: on the CPU, oneDNN compiles code for each new number of

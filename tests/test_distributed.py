@@ -45,6 +45,7 @@ from skorch_gradacc.distributed import DistributedGradAccMixin
 
 from conftest import (
     PARAM_ATOL,
+    FirstIsBest,
     MLPClassifier,
     TemperedNLL,
     assert_ranks_backed_off_alike,
@@ -60,7 +61,8 @@ TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
-             'tokens', 'bucket', 'iterable', 'groups', 'freeze', 'criterion']
+             'tokens', 'bucket', 'iterable', 'groups', 'freeze', 'criterion',
+             'load_best']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
 LAUNCH_LIMIT = 480
@@ -333,6 +335,21 @@ def test_a_criterions_parameters_are_trained_over_all_ranks(ddp):
             torch.testing.assert_close(rank['criterion'][key], value,
                                        rtol=0, atol=PARAM_ATOL)
         assert_same_as_single_process([rank], net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_loading_the_best_epoch_leaves_the_random_state_as_plain_skorch(
+        ddp, tmp_path):
+    # each rank's random state is restored on resuming, not by the load of
+    # Checkpoint(load_best=True) at the end of training
+    ranks = ddp.ranks('load_best')
+    net = classifier(195, callbacks=[FirstIsBest(), Checkpoint(
+        monitor='first_best', load_best=True, dirname=str(tmp_path))])
+    draw = torch.rand(()).item()
+    for rank in ranks:
+        assert rank['draw_after_fit'] == draw
+        assert_params_equal(rank['params'], net)
 
 
 @pytest.mark.cuda

@@ -18,6 +18,9 @@ Accelerate's state lives as long as the process)
 * ``freeze``: ``samples`` with skorch's ``Freezer('hidden.*')`` and an
   ``Unfreezer`` of it at the second epoch;
 * ``criterion``: ``samples`` with a criterion that has a parameter;
+* ``load_best``: ``samples`` with ``Checkpoint(load_best=True)`` of the
+  first epoch, in OUT_DIR/load_best, and a draw of torch's random state
+  after the fit;
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
@@ -42,7 +45,7 @@ import sys
 
 import torch
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback, Freezer, Unfreezer
+from skorch.callbacks import Callback, Checkpoint, Freezer, Unfreezer
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
@@ -66,14 +69,20 @@ from skorch_gradacc import (
 )
 from skorch_gradacc.distributed import DistributedGradAccMixin
 
-from conftest import MLPClassifier, TemperedNLL, classification_data
+from conftest import (
+    FirstIsBest,
+    MLPClassifier,
+    TemperedNLL,
+    classification_data,
+)
 
 BATCH_SIZE, ACC_STEPS = 8, 3
+OUT_DIR = []  # the launch's, for the scenarios that write files
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
 # (rank 0's) and one of 5 (rank 1's)
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
              'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
-             'freeze': 195, 'criterion': 195}
+             'freeze': 195, 'criterion': 195, 'load_best': 195}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -210,6 +219,10 @@ def make_net_and_data(scenario, rank, device):
                                Unfreezer('hidden.*', at=2)]
     if scenario == 'criterion':
         common['criterion'] = TemperedNLL
+    if scenario == 'load_best':
+        common['callbacks'] = [FirstIsBest(), Checkpoint(
+            monitor='first_best', load_best=True, dirname=os.path.join(
+                OUT_DIR[0], 'load_best'))]
     return DDPClassifier(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -221,11 +234,13 @@ def run(scenario, out_dir, device):
     # other initial weights and another order, unless DDP gives it rank
     # 0's weights and the net rank 0's random state each epoch.
     torch.manual_seed(rank if scenario == 'shuffle' else 0)
+    OUT_DIR[:] = [out_dir]
     net, X, y = make_net_and_data(scenario, rank, device)
     if scenario == 'plan':
         return refuse(net, X, y, out_dir)
     params_before = sorted(net.get_params(deep=False))
     net.fit(X, y)
+    draw = torch.rand(()).item() if scenario == 'load_best' else None
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
     save_rank({
@@ -233,6 +248,7 @@ def run(scenario, out_dir, device):
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
         'allreduces': net.engine_.allreduces,
+        'draw_after_fit': draw,
         'criterion': {key: value.cpu() for key, value in getattr(
             net.criterion_, 'state_dict', dict)().items()},  # not a Module
         'param_groups': [len(group['params'])
@@ -281,8 +297,6 @@ def refuse(net, X, y, out_dir):
             for key, value in params_of(net).items()),
         'optimizer_state': len(net.optimizer_.state),
         'allreduces': net.engine_.allreduces,
-        'criterion': {key: value.cpu() for key, value in getattr(
-            net.criterion_, 'state_dict', dict)().items()},  # not a Module
         'micro_batches': getattr(net, 'micro_batches_', 0),
         'memory_plan_': net.memory_plan_,
         # the rows of the batches that trained: with a loss
