@@ -520,18 +520,18 @@ def check_loss_is_mean(net, batch, **fit_params):
         return None
     halves = [batch] + split_batch(batch, (rows + 1) // 2)
     valid = ItemCounts(name='count_loss_items(batch)').check  # as training
+    counts = [valid(net.count_loss_items(half)) for half in halves]
+    counts = [None if count is None else float(count) for count in counts]
     try:
         # the user sees the warnings of the training passes, not these
         with _without_side_effects(net), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            losses, counts = [], []
+            losses = []
             for half in halves:
                 Xi, yi = unpack_data(half)
                 y_pred = net.infer(Xi, **fit_params)
                 loss = net.get_loss(y_pred, yi, X=Xi, training=True)
                 losses.append(float(loss))
-                count = valid(net.count_loss_items(half))
-                counts.append(None if count is None else float(count))
     except Exception as error:  # noqa: BLE001 (a step or module of its own)
         from skorch_gradacc.memory import is_out_of_memory  # which imports this
 
