@@ -171,10 +171,19 @@ class TestPlan:
         GradAccNeuralNetClassifier(**kwargs).fit(X[:16], y[:16])
         whole = fit_seeded(GradAccNeuralNetClassifier(
             memory_budget='1GiB', **kwargs), X, y).memory_plan_
+        smallest = whole['passes'][-3][0]
         for rows, peak in whole['passes'][-3:]:
             budget = int(peak / (1 - PLAN_MARGIN / 2))
-            plan = fit_seeded(GradAccNeuralNetClassifier(
-                memory_budget=budget, **kwargs), X, y).memory_plan_
+            try:
+                plan = fit_seeded(GradAccNeuralNetClassifier(
+                    memory_budget=budget, **kwargs), X, y).memory_plan_
+            except ValueError as error:
+                # the smallest budget (3.5 MiB) is near one row's need, with
+                # the margin's floor (PLAN_MARGIN_BYTES): refused, or not, as
+                # the heap stands (it was, in the suite after new tests)
+                assert rows == smallest, (rows, whole)
+                assert 'less than pieces of one row need' in str(error)
+                continue
             assert plan['micro_batch_size'] < rows, (rows, plan)
             # with its verifying pieces, which may take more than the margin
             assert plan['predicted_peak'] <= budget, plan
