@@ -29,6 +29,7 @@ internal.
 
 import contextlib
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -289,10 +290,8 @@ class DataParallelEngine(Engine):
         callbacks score what the large batch would, as in validation. On the
         CPU.
         """
-        y_pred, rows = step.get('y_pred'), group.micro_rows
-        starts = [sum(rows[:index]) for index in range(len(rows) + 1)]
-        kept = group._kept if group.keep else (
-            group._targets if group.keep_targets else None)
+        y_pred, rows, kept = step.get('y_pred'), group.micro_rows, group.kept()
+        starts = [0, *itertools.accumulate(rows)]
         mine = [(
             None if kept is None else to_device(kept[index], 'cpu'),
             None if y_pred is None else to_device(take_rows(
@@ -303,8 +302,7 @@ class DataParallelEngine(Engine):
         ordered = [share[index] for index in range(max(map(len, shares)))
                    for share in shares if index < len(share)]
         if kept is not None:
-            whole = concat_outputs([batch for batch, _ in ordered])
-            group.shared = whole if group.keep else (group._whole()[0], whole)
+            group.share(concat_outputs([batch for batch, _ in ordered]))
         if y_pred is not None:
             step = dict(step, y_pred=concat_outputs([out for _, out in ordered]))
         return step

@@ -197,6 +197,23 @@ class MicroBatchGroup:
             for _ in self.micro_batches():
                 pass
 
+    def kept(self):
+        """Return what the group keeps of each micro-batch, or None.
+
+        The micro-batches themselves, or their targets; one per
+        :attr:`micro_rows`.
+        """
+        return self._kept if self.keep else (
+            self._targets if self.keep_targets else None)
+
+    def share(self, whole):
+        """Give the callbacks ``whole``, what :meth:`kept` keeps over all ranks.
+
+        The batch of the step's micro-batches, or its targets (the inputs
+        stay released).
+        """
+        self.shared = whole if self.keep else (_ReleasedInputs(), whole)
+
     def _whole(self):
         if self.shared is not None:
             return self.shared
