@@ -262,13 +262,13 @@ class DataParallelEngine(Engine):
         criterion it wraps, as Accelerate's); skorch also trains a
         criterion's own, which would otherwise stay each rank's. In units of
         1, as the module's (DDP's hook scales by ``bucket_scale`` so); a rank
-        without a gradient adds zeros.
+        without a gradient adds zeros. A frozen one gets none, as in skorch.
         """
         wrapped = [self.module] + [module for module in net_modules(net)
                                    if isinstance(module, DistributedDataParallel)]
         own = {id(param) for module in wrapped for param in module.parameters()}
         params = [param for _, param in net.get_all_learnable_params()
-                  if id(param) not in own]
+                  if param.requires_grad and id(param) not in own]
         if not params:
             return
         for param in params:

@@ -66,14 +66,17 @@ class ConvMLPClassifier(MLPClassifier):
 
 class TemperedNLL(torch.nn.Module):
     """A criterion with a parameter of its own, which skorch trains: the NLL
-    of probabilities sharpened by a learnable temperature."""
+    of probabilities sharpened by a learnable temperature, and scaled by a
+    frozen one (``requires_grad=False``: no gradient, no update)."""
 
     def __init__(self):
         super().__init__()
         self.log_t = torch.nn.Parameter(torch.zeros((), dtype=DTYPE))
+        self.scale = torch.nn.Parameter(torch.ones((), dtype=DTYPE),
+                                        requires_grad=False)
 
     def forward(self, y_proba, y):
-        logits = torch.log(y_proba) * self.log_t.exp()
+        logits = torch.log(y_proba) * self.log_t.exp() * self.scale
         return torch.nn.functional.cross_entropy(logits, y)
 
 

@@ -17,7 +17,8 @@ Accelerate's state lives as long as the process)
   ``hidden.*``;
 * ``freeze``: ``samples`` with skorch's ``Freezer('hidden.*')`` and an
   ``Unfreezer`` of it at the second epoch;
-* ``criterion``: ``samples`` with a criterion that has a parameter;
+* ``criterion``: ``samples`` with a criterion that has a parameter, and a
+  frozen one, and weight decay;
 * ``load_best``: ``samples`` with ``Checkpoint(load_best=True)`` of the
   first epoch, in OUT_DIR/load_best, and a draw of torch's random state
   after the fit;
@@ -218,7 +219,7 @@ def make_net_and_data(scenario, rank, device):
         common['callbacks'] = [Freezer('hidden.*'),
                                Unfreezer('hidden.*', at=2)]
     if scenario == 'criterion':
-        common['criterion'] = TemperedNLL
+        common.update(criterion=TemperedNLL, optimizer__weight_decay=0.01)
     if scenario == 'load_best':
         common['callbacks'] = [FirstIsBest(), Checkpoint(
             monitor='first_best', load_best=True, dirname=os.path.join(
