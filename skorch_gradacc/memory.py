@@ -422,12 +422,12 @@ def _line(passes, room, rows, held):
 
     Peaks with what the passes left ``held`` since (``_Line.now``).
     The line runs through the largest pass that fits, ``good`` (0: none),
-    and the least that took more, else the largest that fits of at most
-    half its rows, else through its start in proportion to its rows. Its
-    ``reach`` is at least ``good``, at most ``rows``, below any pass that
-    took more, and ``good`` where a pass failed; its ``rows``, the plan's,
-    are ``good``, or its ``reach`` between ``good`` and a pass that took
-    more.
+    and the least that took more; else, the steeper of the line through
+    the largest that fits of at most half its rows, and of the one through
+    its start in proportion to its rows. Its ``reach`` is at least
+    ``good``, at most ``rows``, below any pass that took more, and ``good``
+    where a pass failed; its ``rows``, the plan's, are ``good``, or its
+    ``reach`` between ``good`` and a pass that took more.
     """
     line = _Line(rows=0, reach=0, good=0, slope=0, peak_good=0, room=room, held=held)
     peaks = {size: result and line.now(result) for size, result in passes.items()}
@@ -439,14 +439,18 @@ def _line(passes, room, rows, held):
     above = [size for size in sorted(over) if peaks[size]][:1]
     other = above or [size for size in fits if 2 * size <= good][-1:]
     # the slope of the passes' own peaks: what they left held grows too
-    slope = max(0.0, (passes[other[0]].peak - passes[good].peak) / (
-        other[0] - good) if other else (passes[good].peak - passes[good].start)
-        / good)
+    slopes = [(passes[size].peak - passes[good].peak) / (size - good) for size in other]
+    if not above:  # past good, at least its peak in proportion to its rows:
+        # each tensor of a pass grows with the rows or not at all, so its
+        # peak is the largest of lines that start at or above its start; a
+        # line through two passes misses one that overtakes past them (the
+        # activations, past the weights' temporaries)
+        slopes.append((passes[good].peak - passes[good].start) / good)
+    slope = max([0.0] + slopes)
     fit = rows if slope == 0 else int(good + (room - peaks[good]) / slope)
     if None in peaks.values():  # an allocation error: no line beyond good
         fit = good
-    ceiling = min(over + [rows + 1]) - 1
-    reach = max(good, min(fit, ceiling))
+    reach = max(good, min(fit, min(over + [rows + 1]) - 1))  # below those over
     line.__dict__.update(rows=reach if above else good, reach=reach, good=good,
                          slope=slope, peak_good=peaks[good])
     return line

@@ -192,6 +192,41 @@ class TestPlan:
             measured = {rows for rows, _ in plan['passes'] + plan['verified']}
             assert plan['micro_batch_size'] in measured, plan
 
+    @pytest.mark.parametrize('per_row', [0.5, 0.72, 1.0])
+    def test_the_line_reaches_no_further_than_a_peak_that_overtakes(self, per_row):
+        # a pass's peak is the largest of lines in its rows: the weights'
+        # temporaries (2 MiB, 0.3 MiB a row) up to 5 rows, then the
+        # activations (per_row MiB a row). The passes of 2, 3 and 5 rows
+        # show only the first; the rows the line reaches keep the room
+        start, room = 8 * MiB, 13.1 * MiB
+
+        def peak(rows):
+            return start + max(2 * MiB + 0.3 * MiB * rows, per_row * MiB * rows)
+
+        passes = {rows: Pass(peak(rows), start, start, 0) for rows in (2, 3, 5)}
+        line = _line(passes, room, 203, start)
+        assert line.good == 5 and peak(line.reach) <= room, line
+
+    def test_a_peak_that_grows_faster_past_the_passes_keeps_the_budget(
+            self, clf_data):
+        # 32768 hidden units: up to about 5 rows the weights' temporaries
+        # set the peak, past them the activations, at more than twice the
+        # rate; a budget at the 8-row pass's peak, whose plan verifies
+        # pieces past where the first passes' line is right
+        X, y = clf_data
+        kwargs = dict(module=MLPClassifier, module__n_hidden=32768,
+                      batch_size=203, max_epochs=1, verbose=0,
+                      train_split=None, micro_batch_size='auto')
+        GradAccNeuralNetClassifier(**kwargs).fit(X[:16], y[:16])
+        whole = fit_seeded(GradAccNeuralNetClassifier(
+            memory_budget='1GiB', **kwargs), X, y).memory_plan_
+        rows, peak = whole['passes'][-3]
+        budget = int(peak / (1 - PLAN_MARGIN / 2))
+        plan = fit_seeded(GradAccNeuralNetClassifier(
+            memory_budget=budget, **kwargs), X, y).memory_plan_
+        assert max(seen for _, seen in plan['verified']) <= budget, plan
+        assert plan['measured_peak'] <= budget, plan
+
     def test_below_a_size_that_took_more_the_plan_trains_on_a_measured_one(
             self, clf_data):
         # pieces above 80 rows take 64 MiB more, which the passes (up to 32
@@ -248,7 +283,7 @@ class TestPlan:
         # is at half the rows where nothing grows; where 100 KiB a row
         # does, at the rows where pieces of the line plus it fit; where
         # 300 KiB does, at the largest pass's rows, which measures it
-        passes = {rows: Pass(MiB + 100 * 2 ** 10 * rows, MiB // 2,
+        passes = {rows: Pass(MiB + 100 * 2 ** 10 * rows, MiB,
                              MiB // 2 + 4 * MiB + left_per_row * rows, 0)
                   for rows in (2, 4, 8, 16, 32, 64)}
         room = MiB + 100 * 2 ** 10 * 200
