@@ -240,8 +240,7 @@ def plan_memory(net, group, buffers, **fit_params):
     engine, start = net.get_engine(), time.perf_counter()
     first = next(iter(group.micro_batches()), None)  # the group keeps it
     rows = 0 if first is None else batch_len(first)
-    meter = getattr(net, 'memory_meter_', None) or MemoryMeter(
-        net.device or 'cpu')
+    meter = getattr(net, 'memory_meter_', None) or MemoryMeter(net.device or 'cpu')
     budget = parse_budget(net.memory_budget) or meter.available
     if not engine.all_ranks(meter.method is not None and budget is not None
                             and rows >= 1):
@@ -371,8 +370,10 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
-    the grid, and at most the next above twice the last's (a line is a
-    guess): the plan trains only on rows a pass has shown, or between two.
+    the grid (off it where the grid reaches no further than the largest
+    that fit: its bound moves on), and at most the next above twice the
+    last's (a line is a guess): the plan trains only on rows a pass has
+    shown, or between two.
     Until one was ``paired``, at most half the rows, a pair, which shows
     what a later piece adds (a single piece's measurement takes it to be
     all it left held); on the line, its later piece adds what the passes
@@ -392,8 +393,11 @@ def _next_pass(passes, line, rows, verifies, paired=False):
                planned_rows(rows, int(PLAN_PASS_SHARE * rows)))
     if last == good and last < size <= line.reach and not verifies:
         return size, verifies
-    size = planned_rows(rows, line.rows if last != good else min(
-        line.reach, planned_above(rows, 2 * last) or rows))
+    size = line.rows if last != good else min(
+        line.reach, planned_above(rows, 2 * last) or rows)
+    # on the grid; off it where that reaches no further than good, whose
+    # peak grown in proportion is the line's bound: more rows move it
+    size = planned_rows(rows, size) if planned_rows(rows, size) > good else size
     if not paired:  # a pair, which adds what grew in what passes left
         below = max([0] + [each for each in passes if each < good and passes[each]])
         left = {n: passes[n].after - passes[n].start for n in (below, good) if n}

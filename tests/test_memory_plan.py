@@ -207,6 +207,28 @@ class TestPlan:
         line = _line(passes, room, 203, start)
         assert line.good == 5 and peak(line.reach) <= room, line
 
+    def test_the_verifying_pieces_reach_the_grid_size_the_line_does(self):
+        # peaks on a line, 5 MiB above the passes' start at no rows (the
+        # weights' temporaries): the line through the start in proportion
+        # bounds each next piece, and reaches short of the grid's next
+        # size (724 to 861 rows); pieces off the grid move the bound on, and
+        # the plan's pieces reach the grid's largest size within the room
+        start, room, rows = 5 * MiB, 24 * MiB, 2048
+
+        def peak(size):
+            return start + 5 * MiB + 0.0155 * MiB * size
+
+        passes = {size: Pass(peak(size), start, start, 0)
+                  for size in (2, 4, 8, 16, 32, 64, 128, 256)}
+        size, verifies = 1, 0
+        while size:
+            line = _line(passes, room, rows, start)
+            size, verifies = _next_pass(passes, line, rows, verifies, paired=True)
+            if size:
+                passes[size] = Pass(peak(size), start, start, 0)
+        best = planned_rows(rows, int((room - peak(0)) / (0.0155 * MiB)))
+        assert best == 861 and planned_rows(rows, line.good) == best, passes
+
     def test_a_peak_that_grows_faster_past_the_passes_keeps_the_budget(
             self, clf_data):
         # 32768 hidden units: up to about 5 rows the weights' temporaries
