@@ -370,8 +370,8 @@ def _next_pass(passes, line, rows, verifies, paired=False):
     they fit: a pass near the budget would be the
     fit's peak, and over a container's limit, its end. Then, at most
     ``PLAN_VERIFIES`` times, a piece at the most rows the line reaches, on
-    the grid (off it where the grid reaches no further than the largest
-    that fit: its bound moves on), and at most the next above twice the
+    the grid (off it where only ``_line``'s bound stops short of its next
+    size: more rows move the bound on), and at most the next above twice the
     last's (a line is a guess): the plan trains only on rows a pass has
     shown, or between two.
     Until one was ``paired``, at most half the rows, a pair, which shows
@@ -395,9 +395,11 @@ def _next_pass(passes, line, rows, verifies, paired=False):
         return size, verifies
     size = line.rows if last != good else min(
         line.reach, planned_above(rows, 2 * last) or rows)
-    # on the grid; off it where that reaches no further than good, whose
-    # peak grown in proportion is the line's bound: more rows move it
-    size = planned_rows(rows, size) if planned_rows(rows, size) > good else size
+    # on the grid; off it where good's peak grown in proportion stops short
+    # of the grid's next size and the passes' line does not: more rows move
+    # that bound on (not below a piece that took more: noise, near the room)
+    grid = planned_rows(rows, size)
+    size = size if grid <= good < planned_rows(rows, line.fitted) else grid
     if not paired:  # a pair, which adds what grew in what passes left
         below = max([0] + [each for each in passes if each < good and passes[each]])
         left = {n: passes[n].after - passes[n].start for n in (below, good) if n}
@@ -431,7 +433,8 @@ def _line(passes, room, rows, held):
     its start in proportion to its rows. Its ``reach`` is at least
     ``good``, at most ``rows``, below any pass that took more, and ``good``
     where a pass failed; its ``rows``, the plan's, are ``good``, or its
-    ``reach`` between ``good`` and a pass that took more.
+    ``reach`` between ``good`` and a pass that took more; ``fitted``, the
+    reach of the passes' line alone.
     """
     line = _Line(rows=0, reach=0, good=0, slope=0, peak_good=0, room=room, held=held)
     peaks = {size: result and line.now(result) for size, result in passes.items()}
@@ -443,20 +446,22 @@ def _line(passes, room, rows, held):
     above = [size for size in sorted(over) if peaks[size]][:1]
     other = above or [size for size in fits if 2 * size <= good][-1:]
     # the slope of the passes' own peaks: what they left held grows too
-    slopes = [(passes[size].peak - passes[good].peak) / (size - good) for size in other]
-    if not above:  # past good, at least its peak in proportion to its rows:
-        # each tensor of a pass grows with the rows or not at all, so its
-        # peak is the largest of lines that start at or above its start; a
-        # line through two passes misses one that overtakes past them (the
-        # activations, past the weights' temporaries)
-        slopes.append((passes[good].peak - passes[good].start) / good)
-    slope = max([0.0] + slopes)
-    fit = rows if slope == 0 else int(good + (room - peaks[good]) / slope)
-    if None in peaks.values():  # an allocation error: no line beyond good
-        fit = good
-    reach = max(good, min(fit, min(over + [rows + 1]) - 1))  # below those over
-    line.__dict__.update(rows=reach if above else good, reach=reach, good=good,
-                         slope=slope, peak_good=peaks[good])
+    chords = [(passes[size].peak - passes[good].peak) / (size - good) for size in other]
+    # past good, at least its peak in proportion to its rows: each tensor of
+    # a pass grows with the rows or not at all, so its peak is the largest
+    # of lines that start at or above its start; a line through two passes
+    # misses one that overtakes past them (the activations, past the
+    # weights' temporaries)
+    bound = [] if above else [(passes[good].peak - passes[good].start) / good]
+
+    def reach(slope):  # an allocation error: no line beyond good
+        fit = good if None in peaks.values() else rows if slope <= 0 else int(
+            good + (room - peaks[good]) / slope)
+        return max(good, min(fit, min(over + [rows + 1]) - 1))  # below those over
+
+    slope, fitted = max([0.0] + chords + bound), reach(max([0.0] + chords))
+    line.__dict__.update(rows=reach(slope) if above else good, reach=reach(slope),
+                         good=good, slope=slope, peak_good=peaks[good], fitted=fitted)
     return line
 
 

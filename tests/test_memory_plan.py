@@ -207,16 +207,19 @@ class TestPlan:
         line = _line(passes, room, 203, start)
         assert line.good == 5 and peak(line.reach) <= room, line
 
-    def test_the_verifying_pieces_reach_the_grid_size_the_line_does(self):
+    @pytest.mark.parametrize('per_row, best', [(0.0155, 861), (0.0175, 724)])
+    def test_the_verifying_pieces_reach_the_grid_size_the_line_does(
+            self, per_row, best):
         # peaks on a line, 5 MiB above the passes' start at no rows (the
         # weights' temporaries): the line through the start in proportion
-        # bounds each next piece, and reaches short of the grid's next
-        # size (724 to 861 rows); pieces off the grid move the bound on, and
-        # the plan's pieces reach the grid's largest size within the room
+        # bounds each next piece, and reaches short of the grid's next size
+        # (724 to 861 rows). Where the passes' line reaches 861, pieces off
+        # the grid move the bound on; where it does not, none run: they
+        # could not change the plan, and near the room each risks its margin
         start, room, rows = 5 * MiB, 24 * MiB, 2048
 
         def peak(size):
-            return start + 5 * MiB + 0.0155 * MiB * size
+            return start + 5 * MiB + per_row * MiB * size
 
         passes = {size: Pass(peak(size), start, start, 0)
                   for size in (2, 4, 8, 16, 32, 64, 128, 256)}
@@ -226,8 +229,10 @@ class TestPlan:
             size, verifies = _next_pass(passes, line, rows, verifies, paired=True)
             if size:
                 passes[size] = Pass(peak(size), start, start, 0)
-        best = planned_rows(rows, int((room - peak(0)) / (0.0155 * MiB)))
-        assert best == 861 and planned_rows(rows, line.good) == best, passes
+        assert planned_rows(rows, int((room - peak(0)) / (per_row * MiB))) == best
+        assert planned_rows(rows, line.good) == best, passes
+        on_grid = all(planned_rows(rows, size) == size for size in passes)
+        assert on_grid == (best == 724), sorted(passes)
 
     def test_a_peak_that_grows_faster_past_the_passes_keeps_the_budget(
             self, clf_data):
