@@ -143,6 +143,23 @@ WIDE = dict(module=WideNormed, batch_size=128, max_epochs=2, lr=0.01,
 
 
 @pytest.mark.own_process
+def plans_of_a_wide_mlp(clf_data, n_hidden):
+    """The plan of an MLP's 'auto' fit at 1GiB, and a function that returns
+    its plan within a given budget; both on all of ``clf_data``."""
+    X, y = clf_data
+    kwargs = dict(module=MLPClassifier, module__n_hidden=n_hidden,
+                  batch_size=203, max_epochs=1, verbose=0,
+                  train_split=None, micro_batch_size='auto')
+    # what the first fit of a process adds once (code, caches) first
+    GradAccNeuralNetClassifier(**kwargs).fit(X[:16], y[:16])
+
+    def plan_within(budget):
+        return fit_seeded(GradAccNeuralNetClassifier(
+            memory_budget=budget, **kwargs), X, y).memory_plan_
+
+    return plan_within('1GiB'), plan_within
+
+
 class TestPlan:
     def test_the_fit_keeps_its_budget(self, clf_data):
         # a budget two thirds of what whole batches take: pieces, and the
@@ -163,20 +180,12 @@ class TestPlan:
         # budgets that a pass of the plan at 1GiB would fit without the
         # margin, but not with it: each plan predicts its peak within the
         # budget less the margin, and the fit keeps the budget
-        X, y = clf_data
-        kwargs = dict(module=MLPClassifier, module__n_hidden=8192,
-                      batch_size=203, max_epochs=1, verbose=0,
-                      train_split=None, micro_batch_size='auto')
-        # what the first fit of a process adds once (code, caches) first
-        GradAccNeuralNetClassifier(**kwargs).fit(X[:16], y[:16])
-        whole = fit_seeded(GradAccNeuralNetClassifier(
-            memory_budget='1GiB', **kwargs), X, y).memory_plan_
+        whole, plan_within = plans_of_a_wide_mlp(clf_data, 8192)
         smallest = whole['passes'][-3][0]
         for rows, peak in whole['passes'][-3:]:
             budget = int(peak / (1 - PLAN_MARGIN / 2))
             try:
-                plan = fit_seeded(GradAccNeuralNetClassifier(
-                    memory_budget=budget, **kwargs), X, y).memory_plan_
+                plan = plan_within(budget)
             except ValueError as error:
                 # the smallest budget (3.5 MiB) is near one row's need, with
                 # the margin's floor (PLAN_MARGIN_BYTES): refused, or not, as
@@ -240,17 +249,9 @@ class TestPlan:
         # set the peak, past them the activations, at more than twice the
         # rate; a budget at the 8-row pass's peak, whose plan verifies
         # pieces past where the first passes' line is right
-        X, y = clf_data
-        kwargs = dict(module=MLPClassifier, module__n_hidden=32768,
-                      batch_size=203, max_epochs=1, verbose=0,
-                      train_split=None, micro_batch_size='auto')
-        GradAccNeuralNetClassifier(**kwargs).fit(X[:16], y[:16])
-        whole = fit_seeded(GradAccNeuralNetClassifier(
-            memory_budget='1GiB', **kwargs), X, y).memory_plan_
-        rows, peak = whole['passes'][-3]
-        budget = int(peak / (1 - PLAN_MARGIN / 2))
-        plan = fit_seeded(GradAccNeuralNetClassifier(
-            memory_budget=budget, **kwargs), X, y).memory_plan_
+        whole, plan_within = plans_of_a_wide_mlp(clf_data, 32768)
+        budget = int(whole['passes'][-3][1] / (1 - PLAN_MARGIN / 2))
+        plan = plan_within(budget)
         assert max(seen for _, seen in plan['verified']) <= budget, plan
         assert plan['measured_peak'] <= budget, plan
 
