@@ -21,6 +21,7 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+from skorch.callbacks import Checkpoint
 from skorch.utils import to_device
 from torch.nn.parallel import DistributedDataParallel
 
@@ -62,6 +63,30 @@ def atomic_files(files):
         raise
     for key, temp in temps.items():
         os.replace(temp, files[key])
+
+
+@contextlib.contextmanager
+def pickled_by_rank_zero(callbacks):
+    """Take the ``f_pickle`` of skorch's Checkpoints on ranks but 0, a while.
+
+    ``Checkpoint`` (also the one a ``TrainEndCheckpoint`` holds) opens
+    ``f_pickle`` and pickles the net itself, without the net's
+    ``save_params``: on every rank, each would truncate and write the same
+    file, with its own history, at once. Within the block, only rank 0's
+    Checkpoints have their ``f_pickle``; then all get theirs back.
+    """
+    checkpoints = [] if this_rank() == 0 else [
+        each for _, callback in callbacks
+        for each in (callback, getattr(callback, 'checkpoint_', None))
+        if isinstance(each, Checkpoint) and each.f_pickle]
+    targets = [checkpoint.f_pickle for checkpoint in checkpoints]
+    for checkpoint in checkpoints:
+        checkpoint.f_pickle = None
+    try:
+        yield
+    finally:
+        for checkpoint, target in zip(checkpoints, targets):
+            checkpoint.f_pickle = target
 
 
 _arrivals = collections.Counter()
@@ -249,10 +274,15 @@ class RankZeroCheckpointMixin:
             set_random_state(torch.load(path, weights_only=True))
 
     def notify(self, method_name, **cb_kwargs):
-        """Call the callbacks; note when it is the end of training."""
+        """Call the callbacks; note when it is the end of training.
+
+        Checkpoints pickle the net (``f_pickle``) from rank 0 alone
+        (:func:`pickled_by_rank_zero`).
+        """
         self._at_train_end_ = method_name == 'on_train_end'
         try:
-            super().notify(method_name, **cb_kwargs)
+            with pickled_by_rank_zero(getattr(self, 'callbacks_', [])):
+                super().notify(method_name, **cb_kwargs)
         finally:
             self._at_train_end_ = False
 
@@ -350,6 +380,12 @@ class RankRandomStreamMixin:
             self.rank_stream_.detach()  # from a module that may be reused
         module = getattr(self.module_, 'module', self.module_)  # DDP
         self.rank_stream_ = RankStream().attach(module)
+        if 'rank_stream_' not in self.cuda_dependent_attributes_:
+            # pickled with the module, whose hooks call it: apart, the
+            # module would unpickle calling a copy (and its hooks' handles
+            # a copy of its hook dicts, which the next pickle loses)
+            self.cuda_dependent_attributes_ = [
+                *self.cuda_dependent_attributes_, 'rank_stream_']
         return self
 
     def run_single_epoch(self, iterator, training, prefix, step_fn,
@@ -550,19 +586,32 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
 
         If a callback (skorch's ``Freezer``, ``Unfreezer``) or the user has
         changed which parameters require a gradient since the module was
-        wrapped, it is wrapped anew, on every rank.
+        wrapped, it is wrapped anew, on every rank; a module unpickled
+        (pickled unwrapped), wrapped again.
         """
         module = self.module_
-        if (training and isinstance(module, DistributedDataParallel)
-                and module is not self.module  # not the user's own wrapper
-                and requires_grad(module.module)
-                != self._wrapped_requires_grad_):
+        if training and not isinstance(module, DistributedDataParallel):
+            self.module_ = self._wrap(module)
+        elif (training and module is not self.module  # not the user's own
+              and requires_grad(module.module) != self._wrapped_requires_grad_):
             # DDP syncs the parameters that required a gradient when it
             # wrapped: it would raise for want of a frozen one's gradient,
             # and leave an unfrozen one's unsynced
             self.module_ = self._wrap(module.module)
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
+
+    def __getstate__(self):
+        # the module unwrapped: DDP's wrapper unpickles only in a process
+        # group; training wraps it again (run_single_epoch)
+        module = self.__dict__.get('module_')
+        if not isinstance(module, DistributedDataParallel) or module is self.module:
+            return super().__getstate__()
+        self.__dict__['module_'] = module.module
+        try:
+            return super().__getstate__()
+        finally:
+            self.__dict__['module_'] = module
 
     def get_all_learnable_params(self):
         """Yield the learnable parameters, named as in the unwrapped module.

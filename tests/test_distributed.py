@@ -8,6 +8,7 @@ process with ``batch_size * acc_steps * world_size`` (the unions of
 """
 
 import importlib.util
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -62,10 +63,14 @@ TIME_LIMIT = 240
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'tokens', 'bucket', 'iterable', 'groups', 'freeze', 'criterion',
-             'load_best']
+             'load_best', 'pickle']
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
 LAUNCH_LIMIT = 480
+
+
+class PicklableDDPClassifier(DistributedGradAccMixin, GradAccNeuralNetClassifier):
+    """A DDP classifier that a pickle finds (the worker's own are __main__'s)."""
 
 
 @pytest.fixture(scope='module')
@@ -351,6 +356,34 @@ def test_loading_the_best_epoch_leaves_the_random_state_as_plain_skorch(
     for rank in ranks:
         assert rank['draw_after_fit'] == draw
         assert_params_equal(rank['params'], net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_checkpoint_pickles_the_net_once_and_it_loads_anywhere(ddp):
+    # skorch's Checkpoint pickles the net itself: on rank 0 alone, as the
+    # plain net it trained, which trains on as DDP on every rank, and
+    # pickles again (the file now), loadable here without a process group
+    ranks = ddp.ranks('pickle')
+    assert [rank['pickles'] for rank in ranks] == [
+        ['PicklableDDPClassifier'] * 2, []]  # an epoch each, in the fit
+    X, y = classification_data(195)
+    net = classifier(195).partial_fit(X, y, epochs=1)
+    for rank in ranks:
+        assert (rank['unpickled_module'], rank['resumed_module']) == (
+            'MLPClassifier', 'DistributedDataParallel')
+        assert_params_equal(rank['params'], net)
+        np.testing.assert_allclose(rank['train_loss'],
+                                   net.history[:, 'train_loss'], rtol=1e-10)
+    with open(ddp.folder('pickle') / 'net.pkl', 'rb') as f:
+        loaded = pickle.load(f)
+    assert type(loaded.module_) is MLPClassifier
+    assert len(loaded.history) == 3
+    np.testing.assert_allclose(loaded.predict_proba(X), net.predict_proba(X),
+                               rtol=0, atol=PARAM_ATOL)
+    # the module's hooks draw from the net's own rank stream, not a copy
+    hooks = loaded.module_._forward_pre_hooks.values()
+    assert [hook.__self__ for hook in hooks] == [loaded.rank_stream_]
 
 
 @pytest.mark.cuda

@@ -22,6 +22,10 @@ Accelerate's state lives as long as the process)
 * ``load_best``: ``samples`` with ``Checkpoint(load_best=True)`` of the
   first epoch, in OUT_DIR/load_best, and a draw of torch's random state
   after the fit;
+* ``pickle``: ``samples`` with ``Checkpoint(f_pickle='net.pkl')`` (and no
+  other file) in OUT_DIR/pickle, which counts the rank's pickles; then
+  every rank unpickles rank 0's file and trains it one epoch more
+  (``partial_fit``);
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
@@ -42,14 +46,19 @@ OUT_DIR/SCENARIO/rank{r}.pt.
 """
 
 import os
+import pickle
 import sys
+import types
 
+import skorch.callbacks.training
 import torch
+import torch.distributed as dist
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, Freezer, Unfreezer
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
+from test_distributed import PicklableDDPClassifier
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -83,7 +92,7 @@ OUT_DIR = []  # the launch's, for the scenarios that write files
 # (rank 0's) and one of 5 (rank 1's)
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
              'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
-             'freeze': 195, 'criterion': 195, 'load_best': 195}
+             'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -224,7 +233,12 @@ def make_net_and_data(scenario, rank, device):
         common['callbacks'] = [FirstIsBest(), Checkpoint(
             monitor='first_best', load_best=True, dirname=os.path.join(
                 OUT_DIR[0], 'load_best'))]
-    return DDPClassifier(
+    if scenario == 'pickle':  # the net's file alone
+        common['callbacks'] = [Checkpoint(
+            monitor=None, f_params=None, f_optimizer=None, f_criterion=None,
+            f_history=None, f_pickle='net.pkl', dirname=OUT_DIR[0])]
+    net_cls = PicklableDDPClassifier if scenario == 'pickle' else DDPClassifier
+    return net_cls(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
 
@@ -239,6 +253,8 @@ def run(scenario, out_dir, device):
     net, X, y = make_net_and_data(scenario, rank, device)
     if scenario == 'plan':
         return refuse(net, X, y, out_dir)
+    if scenario == 'pickle':
+        return pickle_and_resume(net, X, y, out_dir)
     params_before = sorted(net.get_params(deep=False))
     net.fit(X, y)
     draw = torch.rand(()).item() if scenario == 'load_best' else None
@@ -303,6 +319,34 @@ def refuse(net, X, y, out_dir):
         # the rows of the batches that trained: with a loss
         'trained_batches': sum('train_loss' in row for epoch in net.history
                                for row in epoch['batches']),
+    }, out_dir)
+
+
+def pickle_and_resume(net, X, y, out_dir):
+    """'pickle': fit, counting the pickles that skorch's Checkpoint writes;
+    then unpickle rank 0's file on every rank and train one epoch more."""
+    pickles = []
+
+    def dump(obj, file, *args, **kwargs):
+        pickles.append(type(obj).__name__)
+        return pickle.dump(obj, file, *args, **kwargs)
+
+    skorch.callbacks.training.pickle = types.SimpleNamespace(dump=dump)
+    try:
+        net.fit(X, y)
+    finally:
+        skorch.callbacks.training.pickle = pickle
+    dist.barrier()  # rank 0's file is complete
+    with open(os.path.join(out_dir, 'net.pkl'), 'rb') as f:
+        resumed = pickle.load(f)
+    unpickled = type(resumed.module_).__name__
+    resumed.partial_fit(X, y, epochs=1)
+    save_rank({
+        'pickles': pickles,
+        'unpickled_module': unpickled,
+        'resumed_module': type(resumed.module_).__name__,
+        'params': params_of(resumed),
+        'train_loss': [float(loss) for loss in resumed.history[:, 'train_loss']],
     }, out_dir)
 
 
