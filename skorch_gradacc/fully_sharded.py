@@ -13,6 +13,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from skorch.callbacks import Checkpoint
 from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.batching import FSDP2_TORCH, zero_rows
@@ -368,10 +369,29 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         self._check_fsdp_params()
 
     def check_training_readiness(self):
-        """Check that the net is ready to train, its FSDP options included."""
+        """Check that the net is ready to train, its FSDP options included.
+
+        A ``Checkpoint`` that pickles the net (``f_pickle``) is refused:
+        an FSDP2 net does not pickle.
+        """
         super().check_training_readiness()
         if getattr(self, 'initialized_', False):
             self._check_fsdp_params()
+        for name, callback in getattr(self, 'callbacks_', []):
+            for each in (callback, getattr(callback, 'checkpoint_', None)):
+                if isinstance(each, Checkpoint) and each.f_pickle:
+                    raise ValueError(
+                        "callback {!r} has f_pickle={!r}, but an FSDP2 net "
+                        "does not pickle; set f_pickle=None and keep f_params "
+                        "and f_optimizer (save_params).".format(
+                            name, each.f_pickle))
+
+    def __getstate__(self):
+        if isinstance(getattr(self, 'module_', None), FSDPModule):
+            raise TypeError(
+                "An FSDP2 net does not pickle (fully_shard makes classes of "
+                "its own); use save_params and load_params.")
+        return super().__getstate__()
 
     # Initialization
 

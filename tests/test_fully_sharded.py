@@ -6,6 +6,8 @@ checkpoint with ``save_params``, and the tests compare it with plain skorch in
 one process with ``batch_size * acc_steps * world_size``.
 """
 
+import copy
+import pickle
 import re
 import runpy
 import sys
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
-from skorch.callbacks import GradientNormClipping
+from skorch.callbacks import Checkpoint, GradientNormClipping
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -603,6 +605,31 @@ class TestValidation:
     def test_a_process_group_is_needed(self):
         with pytest.raises(RuntimeError, match='start the script with torchrun'):
             FSDPNet(sequential_classifier).initialize()
+
+    def test_a_checkpoint_that_pickles_is_refused_before_training(
+            self, tmp_path):
+        dist.init_process_group('gloo', rank=0, world_size=1,
+                                init_method=(tmp_path / 'store').as_uri())
+        try:
+            net = FSDPNet(sequential_classifier, max_epochs=1, verbose=0,
+                          train_split=None, callbacks=[('cp', Checkpoint(
+                              monitor=None, f_pickle='net.pkl',
+                              dirname=str(tmp_path / 'cp')))]).initialize()
+            before = copy.deepcopy(net.module_.state_dict())
+            with pytest.raises(ValueError) as excinfo:
+                net.partial_fit(*classification_data(16))
+            with pytest.raises(TypeError, match='use save_params'):
+                pickle.dumps(net)
+            after = net.module_.state_dict()
+        finally:
+            dist.destroy_process_group()
+        assert str(excinfo.value) == (
+            "callback 'cp' has f_pickle='net.pkl', but an FSDP2 net does not "
+            "pickle; set f_pickle=None and keep f_params and f_optimizer "
+            "(save_params).")
+        assert not any((tmp_path / 'cp').iterdir())  # made, not written
+        assert all(torch.equal(after[key].full_tensor(), value.full_tensor())
+                   for key, value in before.items())
 
     def test_parameters_are_in_the_signature(self):
         params = FSDPNet(sequential_classifier).get_params()
