@@ -486,9 +486,9 @@ class GradAccMixin(PrecisionMixin):
         weight, scaler = counts.weight, self._get_grad_scaler()
         # a train_step_single that computed its loss without get_loss on an
         # earlier piece: in one process, .grad is rescaled around it instead
-        rescale = (getattr(counts, 'without_get_loss', False)
-                   and type(self.get_engine()) is Engine
-                   and isinstance(weight, float) and weight not in (0, 1))
+        alone = type(self.get_engine()) is Engine and isinstance(weight, float)
+        rescale = (getattr(counts, 'without_get_loss', False) and alone
+                   and weight not in (0, 1))
         if rescale:
             scale_gradients(learnable_gradients(self), 1 / weight)
             weight = 1.0
@@ -498,7 +498,10 @@ class GradAccMixin(PrecisionMixin):
         if rescale:
             scale_gradients(learnable_gradients(self), counts.weight)
         if not calls:
-            if (scaler is not None or isinstance(weight, torch.Tensor)
+            if alone and not weight and not counts.total:
+                # no item yet: the user's mean of none (NaN) adds nothing
+                self._zero_grad_optimizer()
+            elif (scaler is not None or isinstance(weight, torch.Tensor)
                     or weight not in (None, 1)):
                 raise RuntimeError(_WITHOUT_GET_LOSS)
             counts.without_get_loss = True  # the next pieces rescale .grad

@@ -4,16 +4,21 @@ get_loss and train_step_single, and closure optimizers."""
 import numpy as np
 import pytest
 import torch
-from skorch import NeuralNetClassifier
+from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import Callback
 from skorch.dataset import unpack_data
 
-from skorch_gradacc import GradAccNeuralNetClassifier, LossItemsWarning
+from skorch_gradacc import (
+    GradAccNeuralNet,
+    GradAccNeuralNetClassifier,
+    LossItemsWarning,
+)
 from skorch_gradacc.grouping import MicroBatchGroup
 
 from conftest import (
     PARAM_ATOL,
     MLPClassifier,
+    RecordParams,
     assert_same_history,
     classification_data,
     fit_seeded,
@@ -146,6 +151,59 @@ def test_overrides_of_their_own_signature_train_as_plain_skorch(clf_data):
     with pytest.warns(LossItemsWarning, match='could not compute the loss'):
         fit_seeded(acc_net, {'data': X}, y)
     fit_seeded(plain_net, {'data': X}, y)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net)
+
+
+class MaskedMeanLoss(torch.nn.Module):
+    """Cross-entropy averaged over the targets kept (not -100), as a user
+    writes it: with none kept, 0 / 0, whose gradient is NaN."""
+
+    def forward(self, y_pred, y_true):
+        kept = y_true != -100
+        losses = torch.nn.functional.cross_entropy(
+            y_pred, y_true.clamp(min=0), reduction='none')
+        return (losses * kept).sum() / kept.sum()
+
+
+class CriterionStep:
+    """A user's train_step_single that calls the criterion, not get_loss."""
+
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        Xi, yi = unpack_data(batch)
+        y_pred = self.infer(Xi, **fit_params)
+        loss = self.criterion_(y_pred, yi)
+        loss.backward()
+        return {'loss': loss, 'y_pred': y_pred}
+
+    def count_loss_items(self, batch):
+        return int((batch[1] != -100).sum())
+
+
+class CriterionStepGradAccNet(CriterionStep, GradAccNeuralNet):
+    pass
+
+
+class CriterionStepNet(CriterionStep, NeuralNet):
+    pass
+
+
+def test_a_step_without_get_loss_trains_past_micro_batches_without_items():
+    # each step's first micro-batch has every target ignored: the user's
+    # loss there is a mean of none, and it adds nothing, as in the large
+    # batch; the next ones are weighted by rescaling .grad
+    X, y = classification_data(96)
+    y[(np.arange(96) % 24) < 8] = -100
+    nets = [cls(torch.nn.Linear, module__in_features=10, module__out_features=3,
+                module__dtype=torch.float64, criterion=MaskedMeanLoss,
+                optimizer__momentum=0.9, lr=0.1, max_epochs=2,
+                train_split=None, verbose=0,
+                callbacks=[('record_params', RecordParams())], **kwargs)
+            for cls, kwargs in [(CriterionStepGradAccNet, {
+                'batch_size': 8, 'acc_steps': 3}), (CriterionStepNet, {
+                    'batch_size': 24})]]
+    acc_net, plain_net = (fit_seeded(net, X, y) for net in nets)
     assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
     assert_same_history(acc_net, plain_net)
 
