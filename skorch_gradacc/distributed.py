@@ -67,13 +67,13 @@ def atomic_files(files):
 
 @contextlib.contextmanager
 def pickled_by_rank_zero(callbacks):
-    """Take the ``f_pickle`` of skorch's Checkpoints on ranks but 0, a while.
+    """Hold back the ``f_pickle`` of skorch's Checkpoints on ranks but 0.
 
     ``Checkpoint`` (also the one a ``TrainEndCheckpoint`` holds) opens
-    ``f_pickle`` and pickles the net itself, without the net's
-    ``save_params``: on every rank, each would truncate and write the same
-    file, with its own history, at once. Within the block, only rank 0's
-    Checkpoints have their ``f_pickle``; then all get theirs back.
+    ``f_pickle`` and pickles the net itself, not through the net's
+    ``save_params``: every rank would truncate and write the same file at
+    once, each with its own history. Within the block, the Checkpoints of
+    ranks other than 0 have ``f_pickle=None``; after it, their own again.
     """
     checkpoints = [] if this_rank() == 0 else [
         each for _, callback in callbacks
