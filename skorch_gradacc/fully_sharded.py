@@ -23,7 +23,11 @@ from skorch_gradacc.distributed import (
     ShardedEvaluationMixin,
 )
 from skorch_gradacc.engine import DataParallelEngine
-from skorch_gradacc.precision import AUTOCAST_DTYPES
+from skorch_gradacc.precision import (
+    AUTOCAST_DTYPES,
+    load_scaler_state,
+    save_scaler_state,
+)
 
 _TOO_OLD = (
     "skorch_gradacc's FullyShardedGradAccMixin needs torch>={}.{} (FSDP2's "
@@ -460,7 +464,10 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             return state
         # the format of a plain optimizer: parameters by their position
         names = self._param_names(optimizer)
-        return _renamed(state, {name: i for i, name in enumerate(names)})
+        state = _renamed(state, {name: i for i, name in enumerate(names)})
+        if self._get_grad_scaler() is not None:  # as a plain optimizer's hook
+            save_scaler_state(self._get_grad_scaler(), optimizer, state)
+        return state
 
     def _param_names(self, optimizer):
         names = {param: name for name, param in self.module_.named_parameters()}
@@ -474,6 +481,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             set_model_state_dict(self.module_, state_dict, options=options)
             return
         optimizer = getattr(self, attr)
+        if self._get_grad_scaler() is not None:  # as a plain optimizer's hook
+            load_scaler_state(self._get_grad_scaler(), optimizer, state_dict)
         state_dict = _renamed(state_dict, self._param_names(optimizer))
         if not state_dict['state']:
             # a stateless optimizer (SGD without momentum): nothing to shard,

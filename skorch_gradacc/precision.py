@@ -10,6 +10,7 @@ advance (:class:`SkippedStepReport`).
 """
 
 import contextlib
+import functools
 
 import torch
 
@@ -40,6 +41,17 @@ class SkippedStepReport:
     def optimizer_step_was_skipped(self):
         """Whether the training batch that is ending skipped its step."""
         return getattr(self.net, '_batch_step_skipped_', False)
+
+
+def save_scaler_state(scaler, optimizer, state_dict):
+    """Add the GradScaler's state to an optimizer's (a ``state_dict`` hook)."""
+    state_dict['grad_scaler'] = scaler.state_dict()
+
+
+def load_scaler_state(scaler, optimizer, state_dict):
+    """Restore the GradScaler's state saved with an optimizer's (a hook)."""
+    if 'grad_scaler' in state_dict:  # saved with fp16
+        scaler.load_state_dict(state_dict.pop('grad_scaler'))
 
 
 class PrecisionMixin:
@@ -84,6 +96,33 @@ class PrecisionMixin:
             return contextlib.nullcontext()
         return torch.autocast(self._device_type(),
                               dtype=AUTOCAST_DTYPES[self.mixed_precision])
+
+    def initialize_optimizer(self, *args, **kwargs):
+        """Initialize the optimizers; with fp16, they carry the GradScaler.
+
+        The ``state_dict`` of each holds the scaler's state too (key
+        ``'grad_scaler'``, which plain optimizers ignore), and its
+        ``load_state_dict`` restores it: ``save_params``, ``load_params``
+        and skorch's ``Checkpoint`` resume at the scale reached.
+        """
+        super().initialize_optimizer(*args, **kwargs)
+        self._hook_grad_scaler()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._hook_grad_scaler()  # optimizers unpickle without hooks
+
+    def _hook_grad_scaler(self):
+        """With fp16, have each optimizer save and load the GradScaler."""
+        scaler = self._get_grad_scaler()
+        for name in self._optimizers if scaler is not None else ():
+            optimizer = getattr(self, name + '_', None)  # None: uninitialized
+            if optimizer is not None:
+                optimizer.register_state_dict_post_hook(
+                    functools.partial(save_scaler_state, scaler))
+                optimizer.register_load_state_dict_pre_hook(
+                    functools.partial(load_scaler_state, scaler))
 
     def _get_grad_scaler(self):
         """Return the GradScaler of ``mixed_precision='fp16'``, else None."""

@@ -631,6 +631,26 @@ class TestValidation:
         assert all(torch.equal(after[key].full_tensor(), value.full_tensor())
                    for key, value in before.items())
 
+    def test_fp16_checkpoints_hold_the_grad_scaler(self, tmp_path):
+        # the full optimizer state carries the scaler's, as a plain net's
+        dist.init_process_group('gloo', rank=0, world_size=1,
+                                init_method=(tmp_path / 'store').as_uri())
+        files = {'f_params': tmp_path / 'params.pt',
+                 'f_optimizer': tmp_path / 'optimizer.pt'}
+        try:
+            X, y = classification_data(64)
+            net = FSDPNet(sequential_classifier, mixed_precision='fp16',
+                          batch_size=16, acc_steps=2, max_epochs=1, verbose=0,
+                          train_split=None).fit(X.astype(np.float32), y)
+            net.save_params(**files)
+            loaded = FSDPNet(sequential_classifier, mixed_precision='fp16',
+                             train_split=None).initialize()
+            loaded.load_params(**files)
+        finally:
+            dist.destroy_process_group()
+        assert net.grad_scaler_.get_scale() < 2.0 ** 16  # lowered, skipping
+        assert loaded.grad_scaler_.state_dict() == net.grad_scaler_.state_dict()
+
     def test_parameters_are_in_the_signature(self):
         params = FSDPNet(sequential_classifier).get_params()
         assert params['shard_classes'] is None

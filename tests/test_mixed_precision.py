@@ -3,11 +3,13 @@ used the way accumulation needs it: every micro-batch's loss scaled,
 gradients unscaled once per group before callbacks, one scaler step and
 update per group, and a scaler-skipped step does not advance schedulers."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback, LRScheduler
+from skorch.callbacks import Callback, Checkpoint, LoadInitState, LRScheduler
 from skorch.dataset import unpack_data
 from skorch.utils import TeeGenerator
 
@@ -165,6 +167,13 @@ def test_bf16_matches_large_batch_net_under_autocast(device):
     assert param_diff(acc_net, fp32) < 2 * param_diff(plain, fp32)
 
 
+class HugeInitialScaleNet(GradAccNeuralNetClassifier):
+    """fp16 from a scale of 2 ** 20, which the first groups overflow."""
+
+    def make_grad_scaler(self):
+        return torch.amp.GradScaler('cpu', init_scale=2.0 ** 20)
+
+
 class TestFloat16GradScaler:
     def fit(self, **kwargs):
         X, y = data()
@@ -243,6 +252,35 @@ class TestFloat16GradScaler:
         assert net.optimizer_.param_groups[0]['lr'] == pytest.approx(
             0.1 * 0.9 ** applied, rel=1e-12)
         assert all(torch.isfinite(p).all() for p in net.module_.parameters())
+
+    def test_a_checkpoint_resumes_at_the_scale_reached(self, tmp_path):
+        # skorch's Checkpoint and LoadInitState: the second fit goes on at
+        # the scale the first lowered from 2 ** 20 with its skipped steps,
+        # as one fit without a break does; a plain net loads the files
+        def fit(max_epochs, *callbacks):
+            net = HugeInitialScaleNet(Float32MLP, batch_size=8, acc_steps=4,
+                               mixed_precision='fp16', callbacks=list(callbacks),
+                               **{**COMMON, 'max_epochs': max_epochs,
+                                  'iterator_train__shuffle': False})
+            return fit_seeded(net, *data())
+
+        whole = fit(4)
+        fit(2, Checkpoint(monitor=None, dirname=str(tmp_path)))
+        checkpoint = Checkpoint(monitor=None, dirname=str(tmp_path))
+        resumed = fit(2, checkpoint, LoadInitState(checkpoint))
+        assert whole.history[:, 'skipped_steps'] == [3, 0, 0, 0]
+        assert resumed.history[:, 'skipped_steps'] == [3, 0, 0, 0]
+        assert resumed.grad_scaler_.state_dict() == whole.grad_scaler_.state_dict()
+        assert param_diff(resumed, whole) == 0
+        plain = NeuralNetClassifier(Float32MLP, **COMMON).initialize()
+        plain.load_params(f_params=tmp_path / 'params.pt',
+                          f_optimizer=tmp_path / 'optimizer.pt')
+        assert param_diff(plain, whole) == 0
+        # unpickled, the optimizer saves the net's scaler, not a copy
+        unpickled = pickle.loads(pickle.dumps(resumed))
+        scaler = unpickled.grad_scaler_
+        scaler.load_state_dict(dict(scaler.state_dict(), scale=2.0))
+        assert unpickled.optimizer_.state_dict()['grad_scaler']['scale'] == 2.0
 
     def test_loss_computed_without_get_loss_is_refused(self):
         class Unscaled(GradAccNeuralNetClassifier):
