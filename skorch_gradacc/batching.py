@@ -6,6 +6,7 @@ are tensors, arrays, pandas objects, or dicts and sequences of those.
 copies. The checks and the ranks here are shared by the package's modules.
 """
 
+import copy
 import numbers
 import os
 import sys
@@ -116,8 +117,11 @@ def _apply(fn, outputs):
                 "micro-batch instead.".format(
                     sorted(tuple(out.shape) for out in outputs)))
         return fn(outputs)
-    if isinstance(first, dict):
-        return {key: _apply(fn, [out[key] for out in outputs]) for key in first}
+    if isinstance(first, dict):  # of its own class (Hugging Face's ModelOutput)
+        joined = copy.copy(first)
+        for key in first:
+            joined[key] = _apply(fn, [out[key] for out in outputs])
+        return joined
     if isinstance(first, (tuple, list)):
         return type(first)(
             _apply(fn, [out[i] for out in outputs]) for i in range(len(first)))

@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from skorch.callbacks import Callback
 from skorch.dataset import Dataset
 
 from conftest import (
@@ -91,6 +92,52 @@ def test_dict_of_arrays(clf_data):
     X, y = clf_data
     X = {'first': X, 'second': X[:, :2] ** 2}
     check(*fit_pair(4, X, y, module=TwoInputMLP))
+
+
+class ModelOutputMLP(MLPClassifier):
+    """Returns Hugging Face's SequenceClassifierOutput, as its models do."""
+
+    def forward(self, X):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=super().forward(X))
+
+
+class NLLOfOutputs(torch.nn.Module):
+    def forward(self, y_pred, y_true):
+        return torch.nn.functional.nll_loss(torch.log(y_pred.logits), y_true)
+
+
+class RecordOutputs(Callback):
+    """Keeps what each training step's ``y_pred`` is, and its logits."""
+
+    train_batch_reads = ('y_pred',)
+
+    def initialize(self):
+        self.outputs_ = []
+        return self
+
+    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+        if training:
+            self.outputs_.append((type(y_pred), y_pred.logits.detach().clone()))
+
+
+def test_model_outputs_reach_callbacks_as_model_outputs(clf_data):
+    # a callback reads y_pred.logits, as in plain skorch: the micro-batches'
+    # outputs are joined into one of their own class
+    pytest.importorskip('transformers')
+    X, y = clf_data
+    acc_net, plain_net = make_nets(3, module=ModelOutputMLP, criterion=NLLOfOutputs,
+                                   train_split=None,  # skorch predicts tensors
+                                   callbacks=[('outputs', RecordOutputs())])
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    check(acc_net, plain_net)
+    ours, plain = (dict(net.callbacks_)['outputs'].outputs_
+                   for net in (acc_net, plain_net))
+    assert [kind for kind, _ in ours] == [kind for kind, _ in plain]
+    assert plain[0][0].__name__ == 'SequenceClassifierOutput'
+    for (_, logits), (_, expected) in zip(ours, plain, strict=True):
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
 
 
 def test_tuple_module_output(clf_data):
