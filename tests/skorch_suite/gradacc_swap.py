@@ -113,11 +113,18 @@ class _PatchesReachAllNets(type):
     skorch's tests patch ``skorch.NeuralNet.save_params`` to patch every
     net; the swapped classifier and regressor derive from skorch's
     ``NeuralNet``, not from the swapped one, so the patch is made there.
-    Subclasses (a test's ``class MyNet(NeuralNet)``) are left alone.
+    Subclasses (a test's ``class MyNet(NeuralNet)``) are left alone. A
+    patch of a method that the mixin overrides too (``initialize_optimizer``)
+    ends with skorch's own method back: ``mock.patch`` restores it only if
+    the name is gone, and the mixin's is still there.
     """
+
+    replaced = {}  # skorch's own attributes that a patch replaced
 
     def __setattr__(cls, name, value):
         if cls is globals().get('NeuralNet'):
+            if name in vars(ORIGINAL_NEURAL_NET):
+                cls.replaced.setdefault(name, vars(ORIGINAL_NEURAL_NET)[name])
             setattr(ORIGINAL_NEURAL_NET, name, value)
         else:
             super().__setattr__(name, value)
@@ -125,6 +132,8 @@ class _PatchesReachAllNets(type):
     def __delattr__(cls, name):
         if cls is globals().get('NeuralNet'):
             delattr(ORIGINAL_NEURAL_NET, name)
+            if name in cls.replaced:
+                setattr(ORIGINAL_NEURAL_NET, name, cls.replaced.pop(name))
         else:
             super().__delattr__(name)
 
