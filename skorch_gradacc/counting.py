@@ -471,6 +471,32 @@ def merge_piece_records(row, records):
             row[key] = merged
 
 
+class StepExtras:
+    """What ``train_step_single`` returns besides the loss and ``y_pred``.
+
+    Over a group's pieces, as :func:`merge_piece_records` merges recorded
+    values: a float that several pieces return, as the loss is; any other
+    value, the last piece's. Tensors are detached, and only the last
+    piece's kept (a piece's graph is freed with it).
+    """
+
+    def __init__(self):
+        self.last, self.floats = {}, []
+
+    def add(self, count, step):
+        """Note the step of a piece of ``count`` items."""
+        self.last = {key: value.detach() if isinstance(value, torch.Tensor)
+                     else value for key, value in step.items()
+                     if key not in ('loss', 'y_pred')}
+        self.floats.append((count, {key: value for key, value in self.last.items()
+                                    if _is_float(value)}))
+
+    def merged(self):
+        """Return the group's values, merged."""
+        merge_piece_records(self.last, self.floats)
+        return self.last
+
+
 def _is_float(value):
     """Whether ``value`` is a float scalar: Python, numpy, or a 0-d tensor."""
     if isinstance(value, torch.Tensor):

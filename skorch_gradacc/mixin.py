@@ -27,6 +27,7 @@ from skorch_gradacc.callbacks import (
 from skorch_gradacc.counting import (
     LOSS_CHECK_TRIES,
     ItemCounts,
+    StepExtras,
     check_loss_while_pending,
     count_items,
     get_loss_weighted,
@@ -412,7 +413,8 @@ class GradAccMixin(PrecisionMixin):
         its :meth:`count_loss_items` (in units of the engine's ``count_unit``,
         else of the first positive count); the engine's ``end_step`` divides
         by the total once. Returns the group's mean loss and, if a callback
-        reads them, its outputs, both detached.
+        reads them, its outputs, both detached, and the other keys that
+        ``train_step_single`` returns (:class:`~skorch_gradacc.counting.StepExtras`).
         """
         if self.micro_batch_size == 'auto':  # planned, and backs off
             return accumulate_within_budget(
@@ -420,13 +422,11 @@ class GradAccMixin(PrecisionMixin):
         return self._accumulate_gradients(group, **fit_params)
 
     def _accumulate_gradients(self, group, **fit_params):
-        self._piece_records_ = []
+        self._piece_records_, y_preds, extras = [], [], StepExtras()
         engine = self.get_engine()
         keep_y_pred = getattr(self, '_keep_train_y_pred_', False)
-        y_preds = []
-        counts = ItemCounts(count_unit=engine.count_unit,
-                            name='count_loss_items(batch)',
-                            share=engine.share_count_unit)
+        counts = ItemCounts(count_unit=engine.count_unit, share=engine.share_count_unit,
+                            name='count_loss_items(batch)')
         for piece, is_last in engine.passes(self._pieces(group)):
             if not counts.add(self.count_loss_items(piece),
                               skippable=engine.may_skip(is_last)):
@@ -446,6 +446,7 @@ class GradAccMixin(PrecisionMixin):
                     note_pass_error(self, error, group, is_last, **fit_params)
                 raise
             counts.add_loss(step['loss'].detach())
+            extras.add(counts.count, step)  # the user's own keys
             # a zero-row piece's too where it is the first: a rank without
             # rows in the step passes callbacks outputs of no rows, not None
             if keep_y_pred and (batch_len(piece) or not y_preds):
@@ -454,7 +455,7 @@ class GradAccMixin(PrecisionMixin):
         loss = engine.end_step(self, group, counts)
         self._unscale_gradients()  # callbacks see true gradients
         merge_piece_records(self._current_batch_row(), self._piece_records_)
-        return {'loss': loss,
+        return {**extras.merged(), 'loss': loss,
                 'y_pred': concat_outputs(y_preds) if y_preds else None}
 
     def _pieces(self, group):

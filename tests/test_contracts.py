@@ -155,6 +155,53 @@ def test_overrides_of_their_own_signature_train_as_plain_skorch(clf_data):
     assert_same_history(acc_net, plain_net)
 
 
+class ReturnsMore:
+    """A user's train_step_single that returns keys of its own."""
+
+    def train_step_single(self, batch, **fit_params):
+        step = super().train_step_single(batch, **fit_params)
+        confidence = step['y_pred'].max(dim=1).values.mean()  # over the rows
+        return dict(step, confidence=confidence, rows=len(batch[1]))
+
+
+class RecordStepKeys(Callback):
+    train_batch_reads = ()  # nor X, y or y_pred
+
+    def initialize(self):
+        self.steps_ = []
+        return self
+
+    def on_batch_end(self, net, training=False, confidence=None, rows=None,
+                     **kwargs):
+        if training:
+            self.steps_.append((float(confidence.detach()), rows))
+
+
+class ReturnsMoreGradAccNet(ReturnsMore, GradAccNeuralNetClassifier):
+    pass
+
+
+class ReturnsMoreNet(ReturnsMore, NeuralNetClassifier):
+    pass
+
+
+def test_keys_of_the_users_step_reach_on_batch_end():
+    # a float merged as the loss is: the large batch's mean confidence; any
+    # other value, the last piece's (203 rows: steps of 4 x 8, then 8 + 3)
+    X, y = classification_data(203)
+    acc_net, plain_net = make_nets(4, train_split=None,
+                                   callbacks=[('keys', RecordStepKeys())])
+    acc_net = ReturnsMoreGradAccNet(**acc_net.get_params())
+    plain_net = ReturnsMoreNet(**plain_net.get_params())
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    ours, plain = (dict(net.callbacks_)['keys'].steps_
+                   for net in (acc_net, plain_net))
+    np.testing.assert_allclose([c for c, _ in ours], [c for c, _ in plain],
+                               rtol=1e-10)
+    assert [rows for _, rows in plain] == ([32] * 6 + [11]) * 3
+    assert [rows for _, rows in ours] == ([8] * 6 + [3]) * 3
+
+
 class MaskedMeanLoss(torch.nn.Module):
     """Cross-entropy averaged over the targets kept (not -100), as a user
     writes it: with none kept, 0 / 0, whose gradient is NaN."""
