@@ -413,8 +413,8 @@ class GradAccMixin(PrecisionMixin):
         its :meth:`count_loss_items` (in units of the engine's ``count_unit``,
         else of the first positive count); the engine's ``end_step`` divides
         by the total once. Returns the group's mean loss and, if a callback
-        reads them, its outputs, both detached, and the other keys that
-        ``train_step_single`` returns (:class:`~skorch_gradacc.counting.StepExtras`).
+        reads them, its outputs, both detached; other keys of the pieces'
+        steps, a float merged as the loss, else the last piece's value.
         """
         if self.micro_batch_size == 'auto':  # planned, and backs off
             return accumulate_within_budget(
