@@ -65,20 +65,30 @@ def atomic_files(files):
         os.replace(temp, files[key])
 
 
+def pickling_checkpoints(callbacks):
+    """Yield ``(name, checkpoint)``: skorch's Checkpoints that pickle the net.
+
+    Those in ``callbacks`` (``net.callbacks_``) with an ``f_pickle``, also
+    the one a ``TrainEndCheckpoint`` holds.
+    """
+    for name, callback in callbacks:
+        for each in (callback, getattr(callback, 'checkpoint_', None)):
+            if isinstance(each, Checkpoint) and each.f_pickle:
+                yield name, each
+
+
 @contextlib.contextmanager
 def pickled_by_rank_zero(callbacks):
     """Hold back the ``f_pickle`` of skorch's Checkpoints on ranks but 0.
 
-    ``Checkpoint`` (also the one a ``TrainEndCheckpoint`` holds) opens
-    ``f_pickle`` and pickles the net itself, not through the net's
+    ``Checkpoint`` (:func:`pickling_checkpoints`) opens ``f_pickle`` and
+    pickles the net itself, not through the net's
     ``save_params``: every rank would truncate and write the same file at
     once, each with its own history. Within the block, the Checkpoints of
     ranks other than 0 have ``f_pickle=None``; after it, their own again.
     """
     checkpoints = [] if this_rank() == 0 else [
-        each for _, callback in callbacks
-        for each in (callback, getattr(callback, 'checkpoint_', None))
-        if isinstance(each, Checkpoint) and each.f_pickle]
+        checkpoint for _, checkpoint in pickling_checkpoints(callbacks)]
     targets = [checkpoint.f_pickle for checkpoint in checkpoints]
     for checkpoint in checkpoints:
         checkpoint.f_pickle = None

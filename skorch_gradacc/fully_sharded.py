@@ -13,7 +13,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-from skorch.callbacks import Checkpoint
 from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.batching import FSDP2_TORCH, zero_rows
@@ -21,6 +20,7 @@ from skorch_gradacc.distributed import (
     RankRandomStreamMixin,
     RankZeroCheckpointMixin,
     ShardedEvaluationMixin,
+    pickling_checkpoints,
 )
 from skorch_gradacc.engine import DataParallelEngine
 from skorch_gradacc.precision import (
@@ -381,14 +381,11 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         super().check_training_readiness()
         if getattr(self, 'initialized_', False):
             self._check_fsdp_params()
-        for name, callback in getattr(self, 'callbacks_', []):
-            for each in (callback, getattr(callback, 'checkpoint_', None)):
-                if isinstance(each, Checkpoint) and each.f_pickle:
-                    raise ValueError(
-                        "callback {!r} has f_pickle={!r}, but an FSDP2 net "
-                        "does not pickle; set f_pickle=None and keep f_params "
-                        "and f_optimizer (save_params).".format(
-                            name, each.f_pickle))
+        for name, checkpoint in pickling_checkpoints(getattr(self, 'callbacks_', [])):
+            raise ValueError(
+                "callback {!r} has f_pickle={!r}, but an FSDP2 net does not "
+                "pickle; set f_pickle=None and keep f_params and f_optimizer "
+                "(save_params).".format(name, checkpoint.f_pickle))
 
     def __getstate__(self):
         if isinstance(getattr(self, 'module_', None), FSDPModule):
@@ -465,8 +462,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         # the format of a plain optimizer: parameters by their position
         names = self._param_names(optimizer)
         state = _renamed(state, {name: i for i, name in enumerate(names)})
-        if self._get_grad_scaler() is not None:  # as a plain optimizer's hook
-            save_scaler_state(self._get_grad_scaler(), optimizer, state)
+        if (scaler := self._get_grad_scaler()) is not None:  # as its own hook
+            save_scaler_state(scaler, optimizer, state)
         return state
 
     def _param_names(self, optimizer):
@@ -481,8 +478,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             set_model_state_dict(self.module_, state_dict, options=options)
             return
         optimizer = getattr(self, attr)
-        if self._get_grad_scaler() is not None:  # as a plain optimizer's hook
-            load_scaler_state(self._get_grad_scaler(), optimizer, state_dict)
+        if (scaler := self._get_grad_scaler()) is not None:  # as its own hook
+            load_scaler_state(scaler, optimizer, state_dict)
         state_dict = _renamed(state_dict, self._param_names(optimizer))
         if not state_dict['state']:
             # a stateless optimizer (SGD without momentum): nothing to shard,

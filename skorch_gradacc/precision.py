@@ -116,7 +116,9 @@ class PrecisionMixin:
     def _hook_grad_scaler(self):
         """With fp16, have each optimizer save and load the GradScaler."""
         scaler = self._get_grad_scaler()
-        for name in self._optimizers if scaler is not None else ():
+        if scaler is None:
+            return
+        for name in self._optimizers:
             optimizer = getattr(self, name + '_', None)  # None: uninitialized
             if optimizer is not None:
                 optimizer.register_state_dict_post_hook(
