@@ -136,6 +136,23 @@ def detach_outputs(output):
     return _apply(lambda tensors: tensors[0].detach(), [output])
 
 
+def output_rows(output, rows):
+    """Return the rows (a slice) of a module output, on the CPU.
+
+    Of the output's own classes, as :func:`concat_outputs` keeps them: a
+    Hugging Face ``ModelOutput`` stays one.
+
+    Examples
+    --------
+    >>> import torch
+    >>> output_rows((torch.arange(6).reshape(3, 2),), slice(1, 3))
+    (tensor([[2, 3],
+            [4, 5]]),)
+
+    """
+    return _apply(lambda tensors: tensors[0][rows].cpu(), [output])
+
+
 def concat_outputs(outputs):
     """Concatenate the outputs of several pieces along the first axis.
 

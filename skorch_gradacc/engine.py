@@ -38,7 +38,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from skorch_gradacc.batching import concat_outputs, take_rows, zero_rows
+from skorch_gradacc.batching import concat_outputs, output_rows, zero_rows
 from skorch_gradacc.counting import net_modules, scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
@@ -294,8 +294,8 @@ class DataParallelEngine(Engine):
         starts = [0, *itertools.accumulate(rows)]
         mine = [(
             None if kept is None else to_device(kept[index], 'cpu'),
-            None if y_pred is None else to_device(take_rows(
-                y_pred, slice(starts[index], starts[index + 1])), 'cpu'))
+            None if y_pred is None else output_rows(
+                y_pred, slice(starts[index], starts[index + 1])))
             for index, n in enumerate(rows) if n]
         shares = [None] * self.world_size
         dist.all_gather_object(shares, mine, group=self.process_group)

@@ -26,6 +26,7 @@ from skorch.callbacks import (
     Unfreezer,
 )
 from skorch.dataset import Dataset
+from test_inputs import ModelOutputMLP, NLLOfOutputs, RecordOutputs
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -517,3 +518,27 @@ def test_restarts_without_a_fresh_store_warn_at_initialize(
         assert all(warning.filename == __file__ for warning in caught)
     finally:
         dist.destroy_process_group()
+
+
+def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
+    # the outputs gathered over ranks keep their class, as in one process:
+    # a callback reads y_pred.logits, as in plain skorch
+    pytest.importorskip('transformers')
+    X, y = classification_data(48)
+    params = dict(criterion=NLLOfOutputs, max_epochs=1, train_split=None,
+                  verbose=0, callbacks=[('outputs', RecordOutputs())])
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(ModelOutputMLP, batch_size=8, acc_steps=3,
+                            **params).fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(ModelOutputMLP, batch_size=24, **params).fit(X, y)
+    ours, expected = (dict(each.callbacks_)['outputs'].outputs_
+                      for each in (net, plain))
+    assert [kind.__name__ for kind, _ in ours] == ['SequenceClassifierOutput'] * 2
+    for (_, logits), (_, plain_logits) in zip(ours, expected, strict=True):
+        torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
