@@ -106,8 +106,18 @@ class PrecisionMixin:
         and skorch's ``Checkpoint`` resume at the scale reached.
         """
         super().initialize_optimizer(*args, **kwargs)
-        self._hook_grad_scaler()
+        if getattr(self, 'grad_scaler_', None) is None:
+            self._get_grad_scaler()  # made, it hooks them
+        else:
+            self._hook_grad_scaler()
         return self
+
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        """With fp16, the GradScaler exists before callbacks load a checkpoint."""
+        # after set_params(mixed_precision='fp16') on an initialized net;
+        # the net's own hook runs before the callbacks' (LoadInitState)
+        self._get_grad_scaler()
+        super().on_train_begin(net, X=X, y=y, **kwargs)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -115,8 +125,8 @@ class PrecisionMixin:
 
     def _hook_grad_scaler(self):
         """With fp16, have each optimizer save and load the GradScaler."""
-        scaler = self._get_grad_scaler()
-        if scaler is None:
+        scaler = getattr(self, 'grad_scaler_', None)
+        if scaler is None or self.mixed_precision != 'fp16':
             return
         for name in self._optimizers:
             optimizer = getattr(self, name + '_', None)  # None: uninitialized
@@ -132,6 +142,7 @@ class PrecisionMixin:
             return None
         if getattr(self, 'grad_scaler_', None) is None:
             self.grad_scaler_ = self.make_grad_scaler()
+            self._hook_grad_scaler()
         return self.grad_scaler_
 
     def make_grad_scaler(self):

@@ -253,16 +253,23 @@ class TestFloat16GradScaler:
             0.1 * 0.9 ** applied, rel=1e-12)
         assert all(torch.isfinite(p).all() for p in net.module_.parameters())
 
-    def test_a_checkpoint_resumes_at_the_scale_reached(self, tmp_path):
+    @pytest.mark.parametrize('set_late', [False, True])
+    def test_a_checkpoint_resumes_at_the_scale_reached(self, tmp_path, set_late):
         # skorch's Checkpoint and LoadInitState: the second fit goes on at
         # the scale the first lowered from 2 ** 20 with its skipped steps,
-        # as one fit without a break does; a plain net loads the files
+        # as one fit without a break does; a plain net loads the files.
+        # set_late: fp16 set on an initialized net (set_params)
         def fit(max_epochs, *callbacks):
             net = HugeInitialScaleNet(Float32MLP, batch_size=8, acc_steps=4,
-                               mixed_precision='fp16', callbacks=list(callbacks),
+                               mixed_precision=None if set_late else 'fp16',
+                               callbacks=list(callbacks),
                                **{**COMMON, 'max_epochs': max_epochs,
                                   'iterator_train__shuffle': False})
-            return fit_seeded(net, *data())
+            if not set_late:
+                return fit_seeded(net, *data())
+            torch.manual_seed(0)  # as fit_seeded, before initializing
+            net.initialize().set_params(mixed_precision='fp16')
+            return net.partial_fit(*data())
 
         whole = fit(4)
         fit(2, Checkpoint(monitor=None, dirname=str(tmp_path)))
