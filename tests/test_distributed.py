@@ -26,7 +26,9 @@ from skorch.callbacks import (
     Unfreezer,
 )
 from skorch.dataset import Dataset
+from test_contracts import RecordStepKeys, ReturnsMore, ReturnsMoreNet
 from test_inputs import ModelOutputMLP, NLLOfOutputs, RecordOutputs
+from test_mixed_precision import Float32MLP, HugeInitialScaleNet
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -526,19 +528,78 @@ def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
     pytest.importorskip('transformers')
     X, y = classification_data(48)
     params = dict(criterion=NLLOfOutputs, max_epochs=1, train_split=None,
-                  verbose=0, callbacks=[('outputs', RecordOutputs())])
+                  verbose=0)
     dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
                             rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         net = DDPClassifier(ModelOutputMLP, batch_size=8, acc_steps=3,
+                            callbacks=[('outputs', RecordOutputs())],
                             **params).fit(X, y)
     finally:
         dist.destroy_process_group()
     torch.manual_seed(0)
-    plain = NeuralNetClassifier(ModelOutputMLP, batch_size=24, **params).fit(X, y)
+    plain = NeuralNetClassifier(ModelOutputMLP, batch_size=24, callbacks=[
+        ('outputs', RecordOutputs())], **params).fit(X, y)
     ours, expected = (dict(each.callbacks_)['outputs'].outputs_
                       for each in (net, plain))
     assert [kind.__name__ for kind, _ in ours] == ['SequenceClassifierOutput'] * 2
     for (_, logits), (_, plain_logits) in zip(ours, expected, strict=True):
         torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
+
+
+class ReturnsMoreDDPClassifier(ReturnsMore, DDPClassifier):
+    pass
+
+
+class RecordStepKeysBesideOutputs(RecordStepKeys):
+    train_batch_reads = ('y_pred',)  # the outputs gathered over ranks too
+
+
+def test_keys_of_the_users_step_reach_on_batch_end_over_ranks(tmp_path):
+    # what the step the callbacks get (share_step) keeps of the user's
+    # train_step_single besides the outputs gathered: as in one process, on
+    # a 1-rank group
+    X, y = classification_data(203)
+    params = dict(max_epochs=2, train_split=None, verbose=0, lr=0.1)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = ReturnsMoreDDPClassifier(
+            MLPClassifier, batch_size=8, acc_steps=4,
+            callbacks=[('keys', RecordStepKeysBesideOutputs())], **params).fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = ReturnsMoreNet(MLPClassifier, batch_size=32, callbacks=[
+        ('keys', RecordStepKeysBesideOutputs())], **params).fit(X, y)
+    ours, expected = (dict(each.callbacks_)['keys'].steps_ for each in (net, plain))
+    np.testing.assert_allclose([c for c, _ in ours], [c for c, _ in expected],
+                               rtol=1e-10)
+    assert [rows for _, rows in ours] == ([8] * 6 + [3]) * 2
+
+
+def test_fp16_checkpoints_hold_the_grad_scaler_over_ranks(tmp_path):
+    # DDP's optimizers save and load the scaler's state as one process's do
+    files = {'f_params': tmp_path / 'params.pt',
+             'f_optimizer': tmp_path / 'optimizer.pt'}
+    X, y = classification_data(203)
+    params = dict(mixed_precision='fp16', train_split=None, verbose=0, lr=0.1)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        net = DDPFloat16Classifier(Float32MLP, batch_size=8, acc_steps=4,
+                                   max_epochs=1, **params).fit(
+                                       X.astype(np.float32), y)
+        net.save_params(**files)
+        loaded = DDPFloat16Classifier(Float32MLP, **params).initialize()
+        loaded.load_params(**files)
+    finally:
+        dist.destroy_process_group()
+    assert net.grad_scaler_.get_scale() < 2.0 ** 20  # lowered, skipping
+    assert loaded.grad_scaler_.state_dict() == net.grad_scaler_.state_dict()
+
+
+class DDPFloat16Classifier(DistributedGradAccMixin, HugeInitialScaleNet):
+    pass
