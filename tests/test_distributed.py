@@ -67,6 +67,8 @@ TIME_LIMIT = 240
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'tokens', 'bucket', 'iterable', 'groups', 'freeze', 'criterion',
              'load_best', 'pickle']
+if importlib.util.find_spec('transformers'):
+    SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.append('accelerate')
 LAUNCH_LIMIT = 480
@@ -344,6 +346,25 @@ def test_a_criterions_parameters_are_trained_over_all_ranks(ddp):
             torch.testing.assert_close(rank['criterion'][key], value,
                                        rtol=0, atol=PARAM_ATOL)
         assert_same_as_single_process([rank], net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_model_outputs_reach_callbacks_as_model_outputs_on_every_rank(ddp):
+    # the outputs of both ranks' micro-batches, gathered in the large
+    # batch's order, of their own class, as plain skorch's at B * k * W
+    pytest.importorskip('transformers')
+    ranks = ddp.ranks('outputs')
+    net = classifier(195, module=ModelOutputMLP, criterion=NLLOfOutputs,
+                     callbacks=[('outputs', RecordOutputs())])
+    expected = dict(net.callbacks_)['outputs'].outputs_
+    assert expected[0][0].__name__ == 'SequenceClassifierOutput'
+    for rank in ranks:
+        assert [kind for kind, _ in rank['outputs']] == [
+            kind.__name__ for kind, _ in expected]
+        for (_, logits), (_, plain) in zip(rank['outputs'], expected, strict=True):
+            torch.testing.assert_close(logits, plain, rtol=0, atol=PARAM_ATOL)
+    assert_same_as_single_process(ranks, net)
 
 
 @pytest.mark.slow  # torchrun

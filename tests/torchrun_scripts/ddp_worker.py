@@ -26,6 +26,9 @@ Accelerate's state lives as long as the process)
   other file) in OUT_DIR/pickle, which counts the rank's pickles; then
   every rank unpickles rank 0's file and trains it one epoch more
   (``partial_fit``);
+* ``outputs``: ``samples`` with a module that returns Hugging Face's
+  ``SequenceClassifierOutput`` and a callback that records each training
+  step's ``y_pred`` (its class and logits);
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
@@ -59,6 +62,7 @@ from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
 from test_distributed import PicklableDDPClassifier
+from test_inputs import ModelOutputMLP, NLLOfOutputs, RecordOutputs
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -92,7 +96,8 @@ OUT_DIR = []  # the launch's, for the scenarios that write files
 # (rank 0's) and one of 5 (rank 1's)
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
              'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
-             'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195}
+             'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195,
+             'outputs': 195}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -233,6 +238,10 @@ def make_net_and_data(scenario, rank, device):
         common['callbacks'] = [FirstIsBest(), Checkpoint(
             monitor='first_best', load_best=True, dirname=os.path.join(
                 OUT_DIR[0], 'load_best'))]
+    if scenario == 'outputs':
+        module = ModelOutputMLP
+        common.update(criterion=NLLOfOutputs, callbacks=[
+            ('outputs', RecordOutputs())])
     if scenario == 'pickle':  # the net's file alone
         common['callbacks'] = [Checkpoint(
             monitor=None, f_params=None, f_optimizer=None, f_criterion=None,
@@ -260,7 +269,10 @@ def run(scenario, out_dir, device):
     draw = torch.rand(()).item() if scenario == 'load_best' else None
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
+    outputs = dict(net.callbacks_).get('outputs')
     save_rank({
+        'outputs': outputs and [(kind.__name__, logits)
+                                for kind, logits in outputs.outputs_],
         'params_keys': (params_before, sorted(net.get_params(deep=False))),
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
