@@ -95,13 +95,16 @@ class Engine:
         """Whether the backward of a piece without items may be left out."""
         return True
 
-    def context(self, syncs):
-        """Return the context of a backward; ``syncs``: the rank's last."""
+    def context(self, syncs, net=None):
+        """Return the context of a backward; ``syncs``: the rank's last.
+
+        ``net``: the net whose piece it is.
+        """
         return contextlib.nullcontext()
 
-    def plan_context(self):
+    def plan_context(self, net=None):
         """Return the context of a memory plan's pass: a later piece's."""
-        return self.context(False)
+        return self.context(False, net)
 
     def plan_gradient_bytes(self, params):
         """Return the gradient bytes a step holds while a later piece runs.
@@ -258,15 +261,14 @@ class DataParallelEngine(Engine):
     def _sum_other_gradients(self, net):
         """Sum over ranks the gradients of learnable parameters outside the module.
 
-        DDP and FSDP2 reduce the module's (and DDP those of any module or
-        criterion it wraps, as Accelerate's); skorch also trains a
-        criterion's own, which would otherwise stay each rank's. In units of
-        1, as the module's (DDP's hook scales by ``bucket_scale`` so); a rank
-        without a gradient adds zeros. A frozen one gets none, as in skorch.
+        DDP and FSDP2 reduce the module's; skorch also trains a criterion's
+        own, which would otherwise stay each rank's (a criterion wrapped in
+        DDP, as Accelerate's, does not reduce: :meth:`others_unsynced`). In
+        units of 1, as the module's (DDP's hook scales by ``bucket_scale``
+        so); a rank without a gradient adds zeros. A frozen one gets none,
+        as in skorch.
         """
-        wrapped = [self.module] + [module for module in net_modules(net)
-                                   if isinstance(module, DistributedDataParallel)]
-        own = {id(param) for module in wrapped for param in module.parameters()}
+        own = {id(param) for param in self.module.parameters()}
         params = [param for _, param in net.get_all_learnable_params()
                   if param.requires_grad and id(param) not in own]
         if not params:
@@ -279,6 +281,21 @@ class DataParallelEngine(Engine):
         dist.all_reduce(flat, group=self.process_group)
         for param, summed in zip(params, flat.split([p.numel() for p in params])):
             param.grad.copy_(summed.view_as(param.grad))
+
+    def others_unsynced(self, net):
+        """Return a context in which the net's other DDP modules don't reduce.
+
+        Accelerate wraps a criterion with parameters in DDP, which would
+        average its gradient over ranks in every backward: the gradient is
+        the large batch's only as a sum, once a step
+        (:meth:`_sum_other_gradients`).
+        """
+        stack = contextlib.ExitStack()
+        for module in net_modules(net) if net is not None else ():
+            if (isinstance(module, DistributedDataParallel)
+                    and module is not self.module):
+                stack.enter_context(module.no_sync())
+        return stack
 
     def share_step(self, group, step):
         """Return the step's outputs over all ranks; ``group`` gives their inputs.
@@ -441,9 +458,12 @@ class DDPEngine(DataParallelEngine):
             self._agree(False, False, None)  # see after_error
         return super().end_step(net, group, counts)
 
-    def context(self, syncs):
+    def context(self, syncs, net=None):
         """``no_sync()`` unless this is the rank's last backward."""
-        return contextlib.nullcontext() if syncs else self.module.no_sync()
+        stack = self.others_unsynced(net)
+        if not syncs:
+            stack.enter_context(self.module.no_sync())
+        return stack
 
     def set_count_unit(self, count_unit):
         """Set the hook's bucket_scale: ``u`` (0 without items), 1 if summed."""

@@ -231,20 +231,20 @@ class FullyShardedEngine(DataParallelEngine):
         """No pass is left out: each gathers parameters from all ranks."""
         return False
 
-    def context(self, syncs):
+    def context(self, syncs, net=None):
         """Reduce-scatter in this backward if ``syncs``, else accumulate."""
         syncs = syncs or self.sync_each_batch
         self.reduce_scatters += syncs
         self.module.set_requires_gradient_sync(syncs)
-        return contextlib.nullcontext()
+        return self.others_unsynced(net)
 
-    def plan_context(self):
+    def plan_context(self, net=None):
         """Reduce-scatter in a plan's pass: it leaves no unsharded gradient.
 
         :meth:`plan_gradient_bytes` counts the one a step holds.
         """
         self.module.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
+        return self.others_unsynced(net)
 
     def plan_gradient_bytes(self, params):
         """Return the gradient bytes a step holds while a later piece runs.

@@ -511,7 +511,7 @@ def _pass(net, engine, meter, first, rows, **fit_params):
         [param.grad for param in params])
 
     def run(piece):
-        with engine.plan_context(), net.autocast():
+        with engine.plan_context(net), net.autocast():
             return net.train_step_single(piece, **fit_params)
 
     meter.reset(release=True)  # not what an earlier pass left cached

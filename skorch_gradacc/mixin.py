@@ -494,7 +494,7 @@ class GradAccMixin(PrecisionMixin):
             scale_gradients(learnable_gradients(self), 1 / weight)
             weight = 1.0
         with (get_loss_weighted(self, weight, scaler) as calls,
-              self.get_engine().context(is_last), self.autocast()):
+              self.get_engine().context(is_last, self), self.autocast()):
             step = self.train_step_single(piece, **fit_params)
         if rescale:
             scale_gradients(learnable_gradients(self), counts.weight)

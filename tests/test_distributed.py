@@ -70,7 +70,7 @@ SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
 if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
-    SCENARIOS.append('accelerate')
+    SCENARIOS.extend(['accelerate', 'accelerate_criterion'])
 LAUNCH_LIMIT = 480
 
 
@@ -451,6 +451,24 @@ def test_accelerate_mixin_under_torchrun(ddp):
     net = classifier(192)
     assert_params_equal(ranks[0]['params'], net)
     assert_params_equal(ranks[1]['params'], net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_criterion_the_accelerator_wraps_in_ddp_trains_as_in_one_process(ddp):
+    # Accelerate wraps a criterion with parameters in DDP, whose own
+    # all-reduce averages over ranks in each backward; the engine keeps it
+    # from reducing and sums it once a step, as any criterion's
+    pytest.importorskip('accelerate')
+    ranks = ddp.ranks('accelerate_criterion')
+    net = classifier(192, criterion=TemperedNLL)
+    for rank in ranks:
+        assert rank['criterion_allreduces'] == 0
+        assert rank['allreduces'] == rank['steps'] == 2 * 4
+        assert_params_equal(rank['params'], net)
+        for key, value in net.criterion_.state_dict().items():
+            torch.testing.assert_close(rank['criterion'][key], value,
+                                       rtol=0, atol=PARAM_ATOL)
 
 
 @pytest.mark.slow  # torchrun

@@ -30,6 +30,9 @@ Accelerate's state lives as long as the process)
   ``SequenceClassifierOutput`` and a callback that records each training
   step's ``y_pred`` (its class and logits);
 * ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
+* ``accelerate_criterion``: ``accelerate`` with a criterion that has a
+  parameter, which the accelerator wraps in DDP, and a count of that
+  wrapper's all-reduces;
 * ``raise``: rank 1 fails in its first step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
   module runs out of memory above 4 rows, armed after the plan (the first
@@ -159,6 +162,23 @@ class ArmAfterThePlan(Callback):
         getattr(module, 'module', module).armed = True  # unwrap DDP
 
 
+class CountsCriterionAllReduces(Callback):
+    """Counts the all-reduces of the criterion's own DDP wrapper."""
+
+    train_batch_reads = ()  # nothing of the batch
+
+    def on_train_begin(self, net, **kwargs):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.count = 0
+
+        def counted(state, bucket):
+            self.count += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        net.criterion_.register_comm_hook(None, counted)
+
+
 class FailingMLP(MLPClassifier):
     def forward(self, X):
         raise RuntimeError('rank 1 fails on purpose')
@@ -174,7 +194,7 @@ class NLLOfProbabilities:
         return torch.nn.functional.nll_loss(torch.log(y_pred + eps), y_true)
 
 
-def make_accelerated_net(**common):
+def make_accelerated_net(criterion=NLLOfProbabilities, **common):
     from accelerate import Accelerator
     from skorch.hf import AccelerateMixin
 
@@ -184,8 +204,8 @@ def make_accelerated_net(**common):
 
     return AcceleratedGradAccNet(
         MLPClassifier, accelerator=Accelerator(cpu=True), device=None,
-        criterion=NLLOfProbabilities, callbacks__print_log__sink=print,
-        lr=0.1, **common)
+        criterion=criterion, callbacks__print_log__sink=print, lr=0.1,
+        **common)
 
 
 STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
@@ -213,8 +233,11 @@ def make_net_and_data(scenario, rank, device):
             TokenLM, iterator_train__batch_size=None, **STREAM,
             **common), StreamedBatches(ready_batches()), None
     common['optimizer__momentum'] = 0.9
-    if scenario == 'accelerate':
+    if scenario.startswith('accelerate'):
         del common['device']  # the accelerator places the module
+        if scenario == 'accelerate_criterion':
+            common.update(criterion=TemperedNLL,
+                          callbacks=[CountsCriterionAllReduces()])
         return make_accelerated_net(**common), *classification_data(192)
     module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
     if scenario in MAX_ROWS:
@@ -270,6 +293,7 @@ def run(scenario, out_dir, device):
     module = net.module_
     module = getattr(module, 'module', module)  # unwrap DDP
     outputs = dict(net.callbacks_).get('outputs')
+    criterion_allreduces = dict(net.callbacks_).get('CountsCriterionAllReduces')
     save_rank({
         'outputs': outputs and [(kind.__name__, logits)
                                 for kind, logits in outputs.outputs_],
@@ -277,6 +301,7 @@ def run(scenario, out_dir, device):
         'params': {key: value.cpu()
                    for key, value in module.state_dict().items()},
         'allreduces': net.engine_.allreduces,
+        'criterion_allreduces': getattr(criterion_allreduces, 'count', None),
         'draw_after_fit': draw,
         'criterion': {key: value.cpu() for key, value in getattr(
             net.criterion_, 'state_dict', dict)().items()},  # not a Module
