@@ -456,7 +456,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         if attr == 'module_':
             return get_model_state_dict(self.module_, options=options)
         optimizer = getattr(self, attr)
-        state = get_optimizer_state_dict(self.module_, optimizer, options=options)
+        state = get_optimizer_state_dict(self._state_model(), optimizer,
+                                         options=options)
         if not state:  # cpu_offload: only rank 0 gets the full state
             return state
         # the format of a plain optimizer: parameters by their position
@@ -466,8 +467,23 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             save_scaler_state(scaler, optimizer, state)
         return state
 
+    def _state_model(self):
+        """Return a module of the net's modules and criteria, by attribute.
+
+        What ``torch.distributed.checkpoint`` names the optimizers'
+        parameters through: besides the sharded module's, they may hold a
+        criterion's (replicated), which ``module_`` alone does not name.
+        """
+        model = torch.nn.Module()
+        for name in self._modules + self._criteria:
+            module = getattr(self, name + '_', None)
+            if isinstance(module, torch.nn.Module):
+                model.add_module(name, module)
+        return model
+
     def _param_names(self, optimizer):
-        names = {param: name for name, param in self.module_.named_parameters()}
+        names = {param: name for name, param
+                 in self._state_model().named_parameters()}
         return [names[param] for group in optimizer.param_groups
                 for param in group['params']]
 
@@ -485,7 +501,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             # a stateless optimizer (SGD without momentum): nothing to shard,
             # and the full load needs a local state tensor for its device
             options = StateDictOptions(full_state_dict=False)
-        set_optimizer_state_dict(self.module_, optimizer, state_dict,
+        set_optimizer_state_dict(self._state_model(), optimizer, state_dict,
                                  options=options)
 
     save_needs_every_rank = True  # the full states are gathered

@@ -37,6 +37,7 @@ from skorch_gradacc.fully_sharded import FullyShardedEngine, modules_to_shard
 from conftest import (
     DTYPE,
     PARAM_ATOL,
+    TemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
 )
@@ -68,7 +69,7 @@ WORLD_SIZE = 2
 TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
-             'resume', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
+             'resume', 'criterion', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
              'iterable',
              'skip', 'masked',
              'sampler', 'fp16_tokens', 'fp16_spike']
@@ -285,6 +286,30 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(fsdp, oracle):
     plain.partial_fit(X, y)
     for key, value in plain.module_.state_dict().items():
         torch.testing.assert_close(value, net.module_.state_dict()[key],
+                                   rtol=0, atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_criterions_parameters_train_and_resume_beside_the_shards(fsdp):
+    # the optimizer holds the criterion's parameters (replicated) beside the
+    # module's shards: summed over ranks, and saved and loaded with them in
+    # a plain net's format; the frozen one gets no gradient and no state
+    ranks = fsdp.ranks('criterion')
+    out = fsdp.folder('criterion')
+    net = plain_classifier(criterion=TemperedNLL, optimizer__weight_decay=0.01)
+    assert_params_equal(torch.load(out / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
+    for rank in ranks:
+        for key, value in net.criterion_.state_dict().items():
+            torch.testing.assert_close(rank['criterion'][key], value,
+                                       rtol=0, atol=PARAM_ATOL)
+    optimizer_state = torch.load(out / 'optimizer.pt')
+    expected = net.optimizer_.state_dict()
+    assert optimizer_state['param_groups'] == expected['param_groups']
+    assert sorted(optimizer_state['state']) == sorted(expected['state'])
+    for index, state in expected['state'].items():
+        torch.testing.assert_close(optimizer_state['state'][index], state,
                                    rtol=0, atol=PARAM_ATOL)
 
 

@@ -16,6 +16,9 @@ after another, see worker_common.py)
   ``'fp16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch;
+* ``criterion``: ``resume`` with a criterion that has a parameter, and a
+  frozen one, and weight decay: the optimizer holds the criterion's
+  parameters beside the shards;
 * ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
   take different numbers of passes in the last step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
@@ -65,7 +68,7 @@ from test_normalization import IGNORE, TokenTagger, token_data
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
 
-from conftest import DTYPE, classification_data
+from conftest import DTYPE, TemperedNLL, classification_data
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
@@ -278,6 +281,8 @@ def make_net(scenario, max_epochs=2, X=None):
         common['device'] = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
     if scenario == 'clip':
         common['callbacks'] = [GradientNormClipping(CLIP_NORM)]
+    if scenario == 'criterion':
+        common.update(criterion=TemperedNLL, optimizer__weight_decay=0.01)
     return FSDPClassifier(
         module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
@@ -304,7 +309,7 @@ def fit(scenario, out_dir):
     if scenario == 'sampler':
         X, y = Dataset(X, y), None
     torch.manual_seed(0)  # the same initial weights on every rank
-    if scenario != 'resume':
+    if scenario not in ('resume', 'criterion'):
         net = make_net(scenario, X=X)
         PARAMS_KEYS[:] = [sorted(net.get_params(deep=False))]
         net.initialize()
@@ -318,14 +323,13 @@ def fit(scenario, out_dir):
             return refuse(net, X, y)
         return net.partial_fit(X, y)
     first = make_net(scenario, max_epochs=1).fit(X, y)
-    first.save_params(f_params=out_dir / 'epoch1_params.pt',
-                      f_optimizer=out_dir / 'epoch1_optimizer.pt',
-                      f_history=out_dir / 'epoch1_history.json')
+    files = {'f_' + name: out_dir / 'epoch1_{}.{}'.format(name, ext) for name, ext
+             in [('params', 'pt'), ('optimizer', 'pt'), ('criterion', 'pt'),
+                 ('history', 'json')]}
+    first.save_params(**files)
     torch.manual_seed(1)  # other initial weights: the checkpoint replaces them
     net = make_net(scenario, max_epochs=1).initialize()
-    net.load_params(f_params=out_dir / 'epoch1_params.pt',
-                    f_optimizer=out_dir / 'epoch1_optimizer.pt',
-                    f_history=out_dir / 'epoch1_history.json')
+    net.load_params(**files)
     return net.partial_fit(X, y)
 
 
@@ -389,6 +393,8 @@ def run(scenario, out_dir):
                     f_history=out_dir / 'history.json')
     save_rank({
         'params_keys': PARAMS_KEYS + [sorted(net.get_params(deep=False))],
+        'criterion': {key: value.detach().cpu() for key, value in getattr(
+            net.criterion_, 'state_dict', dict)().items()},  # not a Module
         'shard_numel': sum(param.to_local().numel()
                            for param in net.module_.parameters()),
         'max_memory_allocated': (torch.cuda.max_memory_allocated()
