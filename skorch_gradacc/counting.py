@@ -408,15 +408,17 @@ def scale_gradients(grads, scale):
 
     A tensor is moved to each gradient's device, never read on the host.
     """
-    if not isinstance(scale, torch.Tensor):
-        if grads and scale != 1:
-            torch._foreach_mul_(grads, scale)
+    is_tensor = isinstance(scale, torch.Tensor)
+    if not is_tensor and scale == 1:
         return
     by_kind = {}
     for grad in grads:
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (device, dtype), same in by_kind.items():
-        torch._foreach_mul_(same, scale.to(device=device, dtype=dtype))
+        # FSDP2's sharded gradients (DTensors) apart from plain ones (a
+        # criterion's): one _foreach call takes one kind
+        by_kind.setdefault((grad.device, grad.dtype, type(grad)), []).append(grad)
+    for (device, dtype, _), same in by_kind.items():
+        torch._foreach_mul_(same, scale.to(device=device, dtype=dtype)
+                            if is_tensor else scale)
 
 
 def weighted_mean(pairs):

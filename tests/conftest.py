@@ -80,6 +80,20 @@ class TemperedNLL(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, y)
 
 
+class ShiftedTemperedNLL(TemperedNLL):
+    """``TemperedNLL`` whose logits are shifted by a learnable vector, one
+    value per class of ``classification_data``: a parameter of more than
+    0 dimensions."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.zeros(3, dtype=DTYPE))
+
+    def forward(self, y_proba, y):
+        logits = torch.log(y_proba) * self.log_t.exp() * self.scale
+        return torch.nn.functional.cross_entropy(logits + self.shift, y)
+
+
 class FirstIsBest(Callback):
     """Records ``first_best``: the first epoch is the best, for a
     ``Checkpoint(monitor='first_best')``."""

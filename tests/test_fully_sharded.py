@@ -37,7 +37,7 @@ from skorch_gradacc.fully_sharded import FullyShardedEngine, modules_to_shard
 from conftest import (
     DTYPE,
     PARAM_ATOL,
-    TemperedNLL,
+    ShiftedTemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
 )
@@ -297,7 +297,8 @@ def test_a_criterions_parameters_train_and_resume_beside_the_shards(fsdp):
     # a plain net's format; the frozen one gets no gradient and no state
     ranks = fsdp.ranks('criterion')
     out = fsdp.folder('criterion')
-    net = plain_classifier(criterion=TemperedNLL, optimizer__weight_decay=0.01)
+    net = plain_classifier(criterion=ShiftedTemperedNLL,
+                           optimizer__weight_decay=0.01)
     assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
     for rank in ranks:

@@ -16,9 +16,9 @@ after another, see worker_common.py)
   ``'fp16'``;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch;
-* ``criterion``: ``resume`` with a criterion that has a parameter, and a
-  frozen one, and weight decay: the optimizer holds the criterion's
-  parameters beside the shards;
+* ``criterion``: ``resume`` with a criterion that has a parameter, a
+  frozen one and a vector, and weight decay: the optimizer holds the
+  criterion's parameters beside the shards;
 * ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
   take different numbers of passes in the last step;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
@@ -68,7 +68,7 @@ from test_normalization import IGNORE, TokenTagger, token_data
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
 
-from conftest import DTYPE, TemperedNLL, classification_data
+from conftest import DTYPE, ShiftedTemperedNLL, classification_data
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
@@ -282,7 +282,7 @@ def make_net(scenario, max_epochs=2, X=None):
     if scenario == 'clip':
         common['callbacks'] = [GradientNormClipping(CLIP_NORM)]
     if scenario == 'criterion':
-        common.update(criterion=TemperedNLL, optimizer__weight_decay=0.01)
+        common.update(criterion=ShiftedTemperedNLL, optimizer__weight_decay=0.01)
     return FSDPClassifier(
         module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
