@@ -4,8 +4,10 @@
 configured, so that skorch's epoch loop sees one batch per optimizer step:
 a :class:`MicroBatchGroup`, which pulls its ``acc_steps`` micro-batches one
 at a time while the net trains on them. The iterator's end closes the
-epoch's final, partial group. A group keeps its micro-batches, or their
-targets, only when asked to (see
+epoch's final, partial group, unless the iterator has a length and drops a
+short last batch (``drop_last``): then the short group goes, as the large
+batch would. A group keeps its micro-batches, or their targets, only when
+asked to (see
 :meth:`~skorch_gradacc.GradAccMixin.get_train_outputs_needed`).
 """
 
@@ -16,6 +18,27 @@ from skorch_gradacc.batching import batch_len, concat_outputs, length_or_none
 __all__ = ['MicroBatchGroup', 'MicroBatchGroups']
 
 END = object()  # what an iterator's next() returns when it has no more
+
+
+def full_steps(micro_batches, count, per_step):
+    """Return how many of ``count`` micro-batches make steps of ``per_step``.
+
+    All, unless ``micro_batches`` drops a short last batch (a DataLoader's
+    ``drop_last``): then those of whole steps, as the large batch drops its
+    short last one.
+
+    Examples
+    --------
+    >>> from torch.utils.data import DataLoader
+    >>> full_steps(DataLoader(range(10), batch_size=2), 5, 2)
+    5
+    >>> full_steps(DataLoader(range(10), batch_size=2, drop_last=True), 5, 2)
+    4
+
+    """
+    if getattr(micro_batches, 'drop_last', False) is True:
+        return count - count % per_step
+    return count
 
 
 class MicroBatchGroups:
@@ -59,15 +82,22 @@ class MicroBatchGroups:
 
     def __len__(self):
         """Return the number of groups, if the iterator has a length."""
-        return math.ceil(len(self.micro_batches) / self.acc_steps)
+        count = full_steps(self.micro_batches, len(self.micro_batches),
+                           self.acc_steps)
+        return math.ceil(count / self.acc_steps)
 
     def __iter__(self):
         remaining = length_or_none(self.micro_batches)
+        if remaining is not None:
+            remaining = full_steps(self.micro_batches, remaining, self.acc_steps)
         source = iter(self.micro_batches)
         # Pull the first micro-batch of each group before yielding the group,
         # so that skorch's loop never sees an empty group. This happens after
         # the previous group's step: one micro-batch is in memory at a time.
-        for first in source:
+        while remaining is None or remaining > 0:
+            first = next(source, END)
+            if first is END:
+                break
             size = self.acc_steps
             if remaining is not None:
                 size = min(size, remaining)

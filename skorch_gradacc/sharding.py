@@ -3,7 +3,8 @@
 Rank ``r`` of ``W`` trains on micro-batches ``r, r + W, ...`` of the
 training iterator as configured, and a step takes ``acc_steps``
 micro-batches per rank: ``W`` ranks with ``acc_steps=k`` train like one
-process with ``acc_steps=k * W``. No micro-batch is repeated or dropped; a
+process with ``acc_steps=k * W``. No micro-batch is repeated or dropped (but
+a short last step, where the iterator has a length and ``drop_last``); a
 rank without one in the last step trains on zero rows. A map-style
 DataLoader is rebuilt with the same settings around a sampler that yields
 the rank's share, so each rank loads only its own micro-batches; any other
@@ -13,6 +14,7 @@ iterator is iterated whole on every rank. Every epoch, the ranks take rank
 """
 
 import inspect
+import itertools
 import math
 
 import torch
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from skorch_gradacc.batching import length_or_none, zero_rows
-from skorch_gradacc.grouping import END, MicroBatchGroup
+from skorch_gradacc.grouping import END, MicroBatchGroup, full_steps
 
 __all__ = []
 
@@ -262,8 +264,9 @@ class ShardedMicroBatchGroups:
 
     def __len__(self):
         """Return the number of steps, the same on every rank."""
-        return math.ceil(len(self.micro_batches)
-                         / (self.acc_steps * self.world_size))
+        per_step = self.acc_steps * self.world_size
+        return math.ceil(full_steps(self.micro_batches, len(self.micro_batches),
+                                    per_step) / per_step)
 
     def _streams(self):
         """Return the global stream of items, a loader and a template.
@@ -273,6 +276,8 @@ class ShardedMicroBatchGroups:
         zero-row micro-batch once one is seen.
         """
         count = length_or_none(self.micro_batches)
+        steps = None if count is None else full_steps(
+            self.micro_batches, count, self.acc_steps * self.world_size)
         template = []
         shard = (_shard_loader(self.micro_batches, self.rank, self.world_size)
                  if count is not None and count > self.rank else None)
@@ -291,11 +296,11 @@ class ShardedMicroBatchGroups:
                 return micro
 
             stream = (_TO_LOAD if index % self.world_size == self.rank else _OTHER_RANKS
-                      for index in range(count))
+                      for index in range(steps))
             return stream, load, template
 
         def full():
-            for index, micro in enumerate(self.micro_batches):
+            for index, micro in enumerate(itertools.islice(self.micro_batches, steps)):
                 if not template:
                     template.append(zero_rows(micro))
                 own = index % self.world_size == self.rank

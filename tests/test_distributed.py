@@ -65,8 +65,8 @@ TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
-             'tokens', 'bucket', 'iterable', 'groups', 'freeze', 'criterion',
-             'load_best', 'pickle']
+             'drop_last', 'tokens', 'bucket', 'iterable', 'groups', 'freeze',
+             'criterion', 'load_best', 'pickle']
 if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
@@ -266,6 +266,18 @@ def test_shuffled_data_over_two_epochs(ddp):
     assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 203
     assert_same_as_single_process(
         ranks, classifier(203, iterator_train__shuffle=True))
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_drop_last_drops_the_short_last_step_as_the_large_batch(ddp):
+    # 203 rows: the large batch of 48 drops 11 rows; the ranks drop the 3
+    # rows of a short micro-batch and the short last step's 8
+    ranks = ddp.ranks('drop_last')
+    assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 192
+    assert [rank['steps'] for rank in ranks] == [2 * 4, 2 * 4]
+    assert_same_as_single_process(
+        ranks, classifier(203, iterator_train__drop_last=True))
 
 
 @pytest.mark.slow  # torchrun

@@ -26,11 +26,11 @@ class Stream(IterableDataset):
             yield self.data[start:start + self.size]
 
 
-def loader(n_rows, iterable=False):
+def loader(n_rows, iterable=False, drop_last=False):
     data = torch.arange(float(n_rows))
     if iterable:
         return DataLoader(Stream(data, 2), batch_size=None)
-    return DataLoader(data, batch_size=2)
+    return DataLoader(data, batch_size=2, drop_last=drop_last)
 
 
 def shares(micro_batches, acc_steps, world_size):
@@ -77,6 +77,26 @@ def test_len_is_the_number_of_steps_every_rank_takes(
         # every micro-batch is in a step: the last, partial one included
         assert (len(groups) - 1) * acc_steps * world_size < n_micro
         assert n_micro <= len(groups) * acc_steps * world_size
+
+
+@pytest.mark.parametrize('n_rows', [1, 5, 16, 23, 49])
+@pytest.mark.parametrize('world_size, acc_steps', WORLDS)
+def test_drop_last_drops_a_short_last_step_on_every_rank(
+        n_rows, world_size, acc_steps):
+    # as one process with acc_steps=k * W, and as the large batch: only
+    # whole steps, the rows of the first ones
+    micro_batches = loader(n_rows, drop_last=True)
+    per_step = acc_steps * world_size
+    n_steps = n_rows // 2 // per_step
+    single = [[micro.tolist() for micro in group.micro_batches()]
+              for group in MicroBatchGroups(micro_batches, per_step)]
+    assert len(MicroBatchGroups(micro_batches, per_step)) == n_steps
+    assert sum(single, []) == [[2.0 * i, 2.0 * i + 1] for i in range(
+        n_steps * per_step)]
+    for rank, steps in enumerate(shares(micro_batches, acc_steps, world_size)):
+        assert len(ShardedMicroBatchGroups(
+            micro_batches, acc_steps, rank, world_size, sync_rng=False)) == n_steps
+        assert steps == [group[rank::world_size] for group in single]
 
 
 def _collate(rows):

@@ -10,6 +10,9 @@ Accelerate's state lives as long as the process)
   micro-batches, the last of 3 rows, so rank 1 has none in the last step;
 * ``shuffle``: 203 rows with ``iterator_train__shuffle=True``, and each
   rank seeded with its rank;
+* ``drop_last``: 203 rows with ``iterator_train__drop_last=True``: 25
+  micro-batches of 8 (3 rows dropped), and the short last step of one
+  dropped too;
 * ``tokens``: a token-level loss whose item counts differ between ranks;
 * ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
 * ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
@@ -97,8 +100,8 @@ BATCH_SIZE, ACC_STEPS = 8, 3
 OUT_DIR = []  # the launch's, for the scenarios that write files
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
 # (rank 0's) and one of 5 (rank 1's)
-N_SAMPLES = {'samples': 195, 'shuffle': 203, 'raise': 195, 'auto': 195,
-             'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
+N_SAMPLES = {'samples': 195, 'shuffle': 203, 'drop_last': 203, 'raise': 195,
+             'auto': 195, 'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
              'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195,
              'outputs': 195}
 # the most rows each rank's module takes, per scenario
@@ -257,6 +260,8 @@ def make_net_and_data(scenario, rank, device):
                                Unfreezer('hidden.*', at=2)]
     if scenario == 'criterion':
         common.update(criterion=TemperedNLL, optimizer__weight_decay=0.01)
+    if scenario == 'drop_last':
+        common['iterator_train__drop_last'] = True
     if scenario == 'load_best':
         common['callbacks'] = [FirstIsBest(), Checkpoint(
             monitor='first_best', load_best=True, dirname=os.path.join(
