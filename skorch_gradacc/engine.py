@@ -285,10 +285,10 @@ class DataParallelEngine(Engine):
     def others_unsynced(self, net):
         """Return a context in which the net's other DDP modules don't reduce.
 
-        Accelerate wraps a criterion with parameters in DDP, which would
-        average its gradient over ranks in every backward: the gradient is
-        the large batch's only as a sum, once a step
-        (:meth:`_sum_other_gradients`).
+        Accelerate wraps a criterion with parameters in DDP, whose own hook
+        would all-reduce its gradient in every backward, averaged;
+        :meth:`_sum_other_gradients` sums it once a step instead, as any
+        criterion's.
         """
         stack = contextlib.ExitStack()
         for module in net_modules(net) if net is not None else ():
@@ -459,7 +459,10 @@ class DDPEngine(DataParallelEngine):
         return super().end_step(net, group, counts)
 
     def context(self, syncs, net=None):
-        """``no_sync()`` unless this is the rank's last backward."""
+        """``no_sync()`` unless this is the rank's last backward.
+
+        The net's other DDP modules always (:meth:`others_unsynced`).
+        """
         stack = self.others_unsynced(net)
         if not syncs:
             stack.enter_context(self.module.no_sync())
