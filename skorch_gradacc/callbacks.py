@@ -226,3 +226,4 @@ def count_steps_in_progress_bars(net, dataset_train, acc_steps):
         micro = cb._get_batches_per_epoch_phase(net, dataset_train, True)
         if micro > 0:
             pbar.total += math.ceil(micro / acc_steps) - micro
+            pbar.refresh()  # skorch's drew the micro-batches' total

@@ -138,6 +138,17 @@ class TestScoringAndLogging:
         assert plain == (6 + 2, 6 + 2)
         assert acc[0] == acc[1]  # the bar is filled exactly
 
+    def test_progress_bar_shows_the_steps_from_the_start(self, clf_data, capsys):
+        # skorch draws the bar with the micro-batches' total (21 + 6); the
+        # net draws it again with the steps' before the first one
+        acc_net, _ = make_nets(4, max_epochs=1, callbacks=[
+            ('progress', ProgressBar())])
+        fit_seeded(acc_net, *clf_data)
+        draws = [draw for draw in capsys.readouterr().err.split('\r')
+                 if '/' in draw]
+        assert '| 0/27 ' in draws[0]
+        assert '| 0/12 ' in draws[1]
+
     def test_progress_bar_with_its_own_validation_batch_size(self, clf_data):
         # the training micro-batches are counted at the training batch size
         results = []
