@@ -177,6 +177,23 @@ class TestEdgeCases:
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
         assert_same_history(acc_net, plain_net)
 
+    def test_a_step_without_items_steps_with_a_zero_gradient(self, clf_data):
+        # every row of both groups weighted 0: the large batch's mean is
+        # 0/0, whose gradient torch makes NaN; the net's is zero (docs:
+        # compatibility, faults and edge cases)
+        X, y = clf_data
+        X, y = X[y == 0][:64], y[y == 0][:64]
+        acc_net, plain_net = make_nets(4, train_split=None, max_epochs=1,
+                                       criterion__weight=torch.tensor(
+                                           [0.0, 1.0, 2.0], dtype=DTYPE))
+        torch.manual_seed(0)  # fit_seeded's initial weights
+        before = copy.deepcopy(acc_net.initialize().module_.state_dict())
+        fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+        assert np.isnan(acc_net.history[-1, 'batches', :, 'train_loss']).all()
+        assert np.isnan(plain_net.history[-1, 'batches', :, 'train_loss']).all()
+        for key, value in acc_net.module_.state_dict().items():
+            assert torch.equal(value, before[key])
+
     def test_dataset_with_y_none(self, clf_data):
         X, y = clf_data
         dataset = Dataset(X, y)
