@@ -271,16 +271,21 @@ class AccumGrad(torch.optim.Optimizer):
             self.optimizer.step()
             self.stepped = True
         else:
-            # the scaler skips the inner step when the gradient is not finite
-            applied = []
+            scaler, applied = self.grad_scaler, []
+            # unscaled before the step's pre-hooks (clipping) see it: the
+            # scaler leaves a fused optimizer's to its kernel
+            scaler.unscale_(self.optimizer)
+            scale = scaler.get_scale()
             handle = self.optimizer.register_step_post_hook(
                 lambda *args: applied.append(True))
             try:
-                self.grad_scaler.step(self.optimizer)
+                scaler.step(self.optimizer)
             finally:
                 handle.remove()
-            self.grad_scaler.update()
-            self.stepped = bool(applied)
+            scaler.update()
+            # the scaler skips the step, or a fused optimizer's kernel does,
+            # when the gradient is not finite: then it lowers the scale
+            self.stepped = bool(applied) and not scaler.get_scale() < scale
         self._updated = self._updated or self.stepped
         self._start_group()
 

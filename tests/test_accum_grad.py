@@ -811,15 +811,18 @@ class TestClippingAndMixedPrecision:
         assert len(calls) == len(norms) == 8
         assert max_diff(model, large) <= PARAM_ATOL
 
-    def test_grad_scaler_unscales_once_per_group_before_clipping(self):
+    # a fused optimizer: the scaler would leave unscaling to its kernel and
+    # call it on inf too
+    @pytest.mark.parametrize('fused', [False, True])
+    def test_grad_scaler_unscales_once_per_group_before_clipping(self, fused):
         # float64 and a power-of-two scale: scaling is exact, so the result
         # is the large-batch loop's
         X, y = make_data(46)
         large, _ = large_batch(X, y, 12, hook=clip(self.MAX_NORM))
         model = make_model()
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
-        opt = AccumGrad(OPTIMIZERS['sgd_momentum'](model.parameters()), 3,
-                        grad_scaler=scaler)
+        opt = AccumGrad(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                        fused=fused), 3, grad_scaler=scaler)
 
         def clip_hook(optimizer, args, kwargs):
             clip(self.MAX_NORM)(model)
@@ -834,12 +837,13 @@ class TestClippingAndMixedPrecision:
         assert scaler.get_scale() == 2.0 ** 10
         assert max_diff(model, large) <= PARAM_ATOL
 
-    def test_grad_scaler_skips_a_group_with_inf(self):
+    @pytest.mark.parametrize('fused', [False, True])
+    def test_grad_scaler_skips_a_group_with_inf(self, fused):
         X, y = make_data(24)
         model = make_model()
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
-        opt = AccumGrad(OPTIMIZERS['adam'](model.parameters()), 3,
-                        grad_scaler=scaler)
+        opt = AccumGrad(torch.optim.Adam(model.parameters(), lr=0.01, fused=fused),
+                        3, grad_scaler=scaler)
         stepped, snapshots = [], []
         for i, (Xb, yb) in enumerate(zip(X.split(4), y.split(4))):
             opt.zero_grad()
