@@ -48,11 +48,44 @@ def split_batch(batch, micro_batch_size):
 
 
 def take_rows(batch, rows):
-    """Return the rows (a slice) of a batch, as :func:`split_batch` does."""
+    """Return the rows (a slice) of a batch, as :func:`split_batch` does.
+
+    As skorch indexes data (:func:`skorch.utils.multi_indexing`), but a
+    list or tuple of one item per row (what a ``collate_fn`` may give, e.g.
+    targets of different lengths) is sliced itself, not taken for columns.
+
+    Examples
+    --------
+    >>> import torch
+    >>> X, y = torch.zeros(3, 2), [torch.ones(5), torch.ones(1), torch.ones(2)]
+    >>> [len(target) for target in take_rows((X, y), slice(1, 3))[1]]
+    [1, 2]
+
+    """
     if isinstance(batch, (tuple, list)):
-        return type(batch)(None if data is None else multi_indexing(data, rows)
-                           for data in batch)
+        n = batch_len(batch)
+        return type(batch)(_take(data, rows, n) for data in batch)
     return multi_indexing(batch, rows)
+
+
+def _is_per_row(data, n):
+    """Whether a list or tuple holds ``n`` items, one per row, not columns.
+
+    skorch's columns (``[X1, X2]``) each have ``n`` rows themselves.
+    """
+    if not isinstance(data, (tuple, list)) or len(data) != n:
+        return False
+    try:
+        return not all(not isinstance(item, (str, bytes)) and get_len(item) == n
+                       for item in data)
+    except (TypeError, ValueError):  # an item without a length
+        return True
+
+
+def _take(data, rows, n):
+    if data is None:
+        return None
+    return data[rows] if _is_per_row(data, n) else multi_indexing(data, rows)
 
 
 def arrays_in(data):
@@ -75,7 +108,7 @@ def arrays_in(data):
             yield from arrays_in(value)
 
 
-def zero_rows(batch):
+def zero_rows(batch, n=None):
     """Return a batch of the same structure and trailing shapes, with 0 rows.
 
     It holds no reference to ``batch``'s data. A rank without a piece runs
@@ -96,8 +129,11 @@ def zero_rows(batch):
     if isinstance(batch, dict):
         return type(batch)((key, zero_rows(value))
                            for key, value in batch.items())
+    if n is not None and _is_per_row(batch, n):
+        return type(batch)()
     if isinstance(batch, (tuple, list)):
-        return type(batch)(zero_rows(data) for data in batch)
+        n = batch_len(batch) if n is None else n
+        return type(batch)(zero_rows(data, n) for data in batch)
     empty = multi_indexing(batch, slice(0, 0))
     return empty.copy() if isinstance(empty, np.ndarray) else empty
 
@@ -108,14 +144,6 @@ def _apply(fn, outputs):
     if first is None:
         return None
     if isinstance(first, torch.Tensor):
-        shapes = {tuple(out.shape[1:]) for out in outputs}
-        if fn is torch.cat and len(shapes) > 1:
-            raise ValueError(
-                "Cannot join the outputs of micro-batches whose shapes differ "
-                "beyond the first axis: {}. Outputs of dynamically padded "
-                "micro-batches cannot form one batch; read them per "
-                "micro-batch instead.".format(
-                    sorted(tuple(out.shape) for out in outputs)))
         return fn(outputs)
     if isinstance(first, dict):  # of its own class (Hugging Face's ModelOutput)
         joined = copy.copy(first)
@@ -150,25 +178,53 @@ def output_rows(output, rows):
             [4, 5]]),)
 
     """
-    return _apply(lambda tensors: tensors[0][rows].cpu(), [output])
+    # a 0-d tensor (a loss) is not per row: whole
+    return _apply(lambda tensors: (tensors[0] if tensors[0].dim() == 0
+                                   else tensors[0][rows]).cpu(), [output])
 
 
 def concat_outputs(outputs):
     """Concatenate the outputs of several pieces along the first axis.
 
     Each output is a tensor, or a dict, tuple or list of tensors with the
-    same structure; a single one is returned as it is, not copied.
+    same structure; a single one is returned as it is, not copied. A 0-d
+    float tensor (a loss, which is not per row) becomes the pieces' mean,
+    weighted by their rows (those of the output's first tensor with rows);
+    another, the last piece's.
 
     Examples
     --------
     >>> import torch
     >>> concat_outputs([torch.zeros(2, 3), torch.ones(1, 3)]).shape
     torch.Size([3, 3])
+    >>> concat_outputs([(torch.zeros(2), torch.tensor(1.)),
+    ...                 (torch.zeros(6), torch.tensor(3.))])
+    (tensor([0., 0., 0., 0., 0., 0., 0., 0.]), tensor(2.5000))
 
     """
     if len(outputs) == 1:
         return outputs[0]  # not copied
-    return _apply(torch.cat, outputs)
+    rows = [next((len(array) for array in arrays_in(output) if array.ndim), 0)
+            for output in outputs]
+
+    def join(tensors):
+        if tensors[0].dim() == 0:
+            if not tensors[0].is_floating_point():
+                return tensors[-1]
+            stacked = torch.stack(tensors)
+            weights = stacked.new_tensor(rows if sum(rows) else [1] * len(rows))
+            return (stacked * weights).sum() / weights.sum()
+        shapes = {tuple(out.shape[1:]) for out in tensors}
+        if len(shapes) > 1:
+            raise ValueError(
+                "Cannot join the outputs of micro-batches whose shapes differ "
+                "beyond the first axis: {}. Outputs of dynamically padded "
+                "micro-batches cannot form one batch; read them per "
+                "micro-batch instead.".format(
+                    sorted(tuple(out.shape) for out in tensors)))
+        return torch.cat(tensors)
+
+    return _apply(join, outputs)
 
 
 # The pieces of a micro-batch

@@ -27,7 +27,14 @@ from skorch.callbacks import (
 )
 from skorch.dataset import Dataset
 from test_contracts import RecordStepKeys, ReturnsMore, ReturnsMoreNet
-from test_inputs import ModelOutputMLP, NLLOfOutputs, RecordOutputs
+from test_inputs import (
+    ModelOutputMLP,
+    NLLOfOutputs,
+    PenaltyOutputMLP,
+    RecordOutputs,
+    RecordPenalties,
+    penalized_loss,
+)
 from test_mixed_precision import Float32MLP, HugeInitialScaleNet
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
@@ -597,6 +604,32 @@ def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
     assert [kind.__name__ for kind, _ in ours] == ['SequenceClassifierOutput'] * 2
     for (_, logits), (_, plain_logits) in zip(ours, expected, strict=True):
         torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
+
+
+def test_a_0d_output_reaches_callbacks_whole_over_ranks(tmp_path):
+    # not per row: each rank's share of the step keeps it whole, and the
+    # shares join into their mean, weighted by rows, as in one process
+    X, y = classification_data(48)
+    params = dict(max_epochs=1, train_split=None, verbose=0,
+                  callbacks=[('penalties', RecordPenalties())])
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(PenaltyOutputMLP, batch_size=8, acc_steps=3,
+                            micro_batch_size=3, **params)
+        net.get_loss = penalized_loss(net)
+        net.fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(PenaltyOutputMLP, batch_size=24, **params)
+    plain.get_loss = penalized_loss(plain)
+    plain.fit(X, y)
+    ours, expected = (dict(each.callbacks_)['penalties'].penalties_
+                      for each in (net, plain))
+    assert len(ours) == 2
+    np.testing.assert_allclose(ours, expected, rtol=1e-12)
 
 
 class ReturnsMoreDDPClassifier(ReturnsMore, DDPClassifier):

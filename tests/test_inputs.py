@@ -4,13 +4,18 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from skorch import NeuralNet
 from skorch.callbacks import Callback
 from skorch.dataset import Dataset
+
+from skorch_gradacc import GradAccNeuralNet
+from skorch_gradacc.batching import take_rows
 
 from conftest import (
     DTYPE,
     PARAM_ATOL,
     MLPClassifier,
+    MLPRegressor,
     assert_same_history,
     fit_pair,
     fit_seeded,
@@ -155,6 +160,112 @@ def test_tuple_module_output(clf_data):
         net.get_loss = first_output_loss(net)
         fit_seeded(net, X, y)
     check(acc_net, plain_net)
+
+
+class PenaltyOutputMLP(MLPClassifier):
+    """Returns its probabilities and a 0-d penalty on its weights, which
+    ``penalized_loss`` adds to the loss."""
+
+    def forward(self, X):
+        return super().forward(X), 1e-2 * (self.hidden.weight ** 2).sum()
+
+
+def penalized_loss(net):
+    def get_loss(y_pred, y_true, *args, **kwargs):
+        return type(net).get_loss(net, y_pred[0], y_true, *args,
+                                  **kwargs) + y_pred[1]
+    return get_loss
+
+
+class RecordPenalties(Callback):
+    """Keeps each training step's penalty, as callbacks see it."""
+
+    train_batch_reads = ('y_pred',)
+
+    def initialize(self):
+        self.penalties_ = []
+        return self
+
+    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+        if training:
+            self.penalties_.append(float(y_pred[1]))
+
+
+def test_a_0d_output_is_joined_as_the_pieces_mean(clf_data):
+    # not per row: the pieces' outputs join into their mean, weighted by
+    # rows, in training (callbacks), validation and predict_proba
+    X, y = clf_data
+    acc_net, plain_net = make_nets(2, module=PenaltyOutputMLP, callbacks=[
+        ('penalties', RecordPenalties())])
+    acc_net.set_params(micro_batch_size=3)
+    for net in (acc_net, plain_net):
+        net.get_loss = penalized_loss(net)
+        fit_seeded(net, X, y)
+    check(acc_net, plain_net)
+    ours, plain = (dict(net.callbacks_)['penalties'].penalties_
+                   for net in (acc_net, plain_net))
+    np.testing.assert_allclose(ours, plain, rtol=1e-12)
+    np.testing.assert_allclose(acc_net.predict_proba(X),
+                               plain_net.predict_proba(X), rtol=1e-10)
+
+
+class TargetsOfTheirOwnLength(torch.utils.data.Dataset):
+    """Rows whose targets are tensors of 1 to 4 values, collated as a list
+    (``collate_list``): one item per row, not columns."""
+
+    def __init__(self, X):
+        self.X = torch.as_tensor(X)
+        self.targets = [self.X[i, :1 + i % 4] for i in range(len(X))]
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return self.X[i], self.targets[i]
+
+
+def collate_list(items):
+    return torch.stack([x for x, _ in items]), [target for _, target in items]
+
+
+class MeanOfRowMeans(torch.nn.Module):
+    def forward(self, y_pred, y_true):
+        return torch.stack([((pred - target) ** 2).mean()
+                            for pred, target in zip(y_pred, y_true)]).mean()
+
+
+@pytest.mark.parametrize('micro_batch_size', [3, 'auto'])
+def test_a_list_of_one_item_per_row_is_split_by_rows(clf_data, micro_batch_size):
+    # skorch's indexing would take the list for columns and cut each
+    # target instead
+    X, _ = clf_data
+    kwargs = dict(module=MLPRegressor, criterion=MeanOfRowMeans,
+                  iterator_train__collate_fn=collate_list, train_split=None,
+                  max_epochs=2, lr=0.1, verbose=0)
+    torch.manual_seed(0)
+    plain = NeuralNet(batch_size=16, **kwargs).fit(TargetsOfTheirOwnLength(X))
+    torch.manual_seed(0)
+    budget = '1GiB' if micro_batch_size == 'auto' else None
+    net = GradAccNeuralNet(batch_size=16, micro_batch_size=micro_batch_size,
+                           memory_budget=budget, **kwargs).fit(
+                               TargetsOfTheirOwnLength(X))
+    for key, value in plain.module_.state_dict().items():
+        torch.testing.assert_close(net.module_.state_dict()[key], value,
+                                   rtol=0, atol=PARAM_ATOL)
+    np.testing.assert_allclose(net.history[:, 'train_loss'],
+                               plain.history[:, 'train_loss'], rtol=1e-10)
+
+
+def test_take_rows_slices_lists_of_rows_and_keeps_skorchs_columns():
+    X, names = torch.arange(6.).reshape(3, 2), ['a', 'bb', 'ccc']
+    targets = [torch.ones(5), torch.ones(1), torch.ones(2)]
+    X_rows, target_rows, name_rows = take_rows((X, targets, names), slice(1, 3))
+    assert X_rows.tolist() == [[2., 3.], [4., 5.]]
+    assert [len(target) for target in target_rows] == [1, 2]
+    assert name_rows == ['bb', 'ccc']
+    # X a list of columns of 3 rows each, as skorch indexes it
+    columns, y = take_rows(([X, X[:, 0]], torch.arange(3)), slice(0, 2))
+    assert [len(column) for column in columns] == [2, 2] and len(y) == 2
 
 
 @pytest.mark.parametrize('dataset_cls', [Dataset, ListDataset])
