@@ -154,8 +154,14 @@ class PrecisionMixin:
         scaler = self._get_grad_scaler()
         if scaler is None:
             return
+        if getattr(self, '_unscaled_', False):
+            # a step ended after unscale_ (an error or Ctrl-C in a callback):
+            # the scaler takes no unscale_ before an update(), which keeps
+            # its scale when given it
+            scaler.update(scaler.get_scale())
         for name in self._optimizers:
             scaler.unscale_(getattr(self, name + '_'))
+        self._unscaled_ = True
 
     def _gradients_are_finite(self):
         grads = learnable_gradients(self)
@@ -181,6 +187,7 @@ class PrecisionMixin:
         if self.skip_nonfinite and not self._gradients_are_finite():
             if scaler is not None:
                 scaler.update()  # unscale_ saw the inf: lower the scale
+                self._unscaled_ = False
             skipped = True
         elif scaler is None:
             super()._step_optimizer(None)
@@ -190,6 +197,7 @@ class PrecisionMixin:
             for name in self._optimizers:
                 scaler.step(getattr(self, name + '_'))
             scaler.update()
+            self._unscaled_ = False
             # on inf/NaN the scaler skips the step and lowers the scale
             skipped = scaler.get_scale() < scale
         if skipped:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from skorch.callbacks import Callback
 from skorch.dataset import Dataset
+from test_mixed_precision import Float32MLP
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 
@@ -130,6 +131,45 @@ class TestBrokenGroup:
         torch.manual_seed(1), reference.partial_fit(clean, y)
         for key, value in net.module_.state_dict().items():
             assert torch.equal(value, reference.module_.state_dict()[key])
+
+
+class InterruptSecondStep(Callback):
+    """Ctrl-C in the second step's on_grad_computed: after fp16 unscaled."""
+
+    train_batch_reads = ()
+
+    def on_grad_computed(self, net, **kwargs):
+        self.calls_ = getattr(self, 'calls_', 0) + 1
+        if self.calls_ == 2:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_after_fp16_unscaled_leaves_a_net_that_trains_on():
+    # the GradScaler takes no second unscale_ before an update(): the
+    # interrupted step left it waiting for one
+    X, y = classification_data(100)
+    X = X.astype(np.float32)
+
+    def make_net(callbacks):
+        return GradAccNeuralNetClassifier(
+            Float32MLP, batch_size=8, acc_steps=4, mixed_precision='fp16',
+            max_epochs=1, train_split=None, verbose=0, lr=0.1,
+            optimizer__momentum=0.9, callbacks=callbacks)
+
+    net = make_net([('snapshot', SnapshotSteps()), ('ctrl_c', InterruptSecondStep())])
+    fit_seeded(net, X, y)
+    assert_at_last_completed_step(net)
+    scale = net.grad_scaler_.get_scale()
+    reference = make_net([]).initialize()
+    for attr in ('module_', 'optimizer_', 'grad_scaler_'):
+        # deep copies: load_state_dict may share the tensors it is given
+        getattr(reference, attr).load_state_dict(copy.deepcopy(
+            getattr(net, attr).state_dict()))
+    torch.manual_seed(1), net.partial_fit(X, y)
+    torch.manual_seed(1), reference.partial_fit(X, y)
+    assert net.grad_scaler_.get_scale() == reference.grad_scaler_.get_scale() == scale
+    for key, value in net.module_.state_dict().items():
+        assert torch.equal(value, reference.module_.state_dict()[key])
 
 
 class TestNonFiniteLoss:
