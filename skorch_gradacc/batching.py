@@ -159,6 +159,12 @@ def _apply(fn, outputs):
             type(first).__name__))
 
 
+def cast_outputs(output, dtype):
+    """Return a module output with its floating-point tensors in ``dtype``."""
+    return _apply(lambda tensors: tensors[0].to(dtype)
+                  if tensors[0].is_floating_point() else tensors[0], [output])
+
+
 def detach_outputs(output):
     """Detach a module output (a tensor or a nest of tensors) from its graph."""
     return _apply(lambda tensors: tensors[0].detach(), [output])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from skorch.utils import _check_f_arguments
 
-from skorch_gradacc.batching import FSDP2_TORCH, zero_rows
+from skorch_gradacc.batching import FSDP2_TORCH, cast_outputs, zero_rows
 from skorch_gradacc.distributed import (
     RankRandomStreamMixin,
     RankZeroCheckpointMixin,
@@ -428,6 +428,20 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     def autocast(self):
         """Return a null context: FSDP2's MixedPrecisionPolicy casts instead."""
         return contextlib.nullcontext()
+
+    def evaluation_step(self, batch, training=False):
+        """Run the evaluation step; with mixed precision, outputs in the module's dtype.
+
+        FSDP2's policy computes in low precision in evaluation too, where a
+        single process's net runs without autocast: its predictions come in
+        the module's dtype (numpy has no bfloat16).
+        """
+        y_infer = super().evaluation_step(batch, training=training)
+        if self.mixed_precision is None:
+            return y_infer
+        dtype = next(param.dtype for param in self.module_.parameters()
+                     if param.is_floating_point())
+        return cast_outputs(y_infer, dtype)
 
     def make_grad_scaler(self):
         """Return a ShardedGradScaler, which agrees on a skip over ranks."""

@@ -220,6 +220,18 @@ def test_bf16_is_fsdp_mixed_precision(fsdp, oracle):
                                train_losses(net.history), rtol=5e-2)
 
 
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+@pytest.mark.parametrize('scenario', ['bf16', 'fp16'])
+def test_mixed_precision_predicts_in_the_modules_dtype(fsdp, oracle, scenario):
+    # the module's outputs are cast back, as autocast leaves a single
+    # process's predictions: numpy has no bfloat16
+    expected = oracle.predict_proba(classification_data(N_SAMPLES)[0][:8])
+    for rank in fsdp.ranks(scenario):
+        assert rank['proba'].dtype == torch.float64  # predict_proba's, as is
+        np.testing.assert_allclose(rank['proba'].numpy(), expected, atol=5e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.slow  # torchrun

@@ -13,7 +13,7 @@ after another, see worker_common.py)
 * ``cuda``: ``samples`` on the GPUs, with NCCL (one rank per GPU);
 * ``clip``: ``samples`` with skorch's GradientNormClipping;
 * ``bf16``, ``fp16``: ``samples`` with ``mixed_precision='bf16'`` or
-  ``'fp16'``;
+  ``'fp16'``, and ``predict_proba`` of 8 rows;
 * ``resume``: ``samples`` for one epoch, ``save_params``, a new net that
   ``load_params`` and trains a second epoch;
 * ``criterion``: ``resume`` with a criterion that has a parameter, a
@@ -321,7 +321,10 @@ def fit(scenario, out_dir):
             lambda module, args, output: net.forward_dtypes_.add(output.dtype))
         if scenario == 'plan':
             return refuse(net, X, y)
-        return net.partial_fit(X, y)
+        net.partial_fit(X, y)
+        if scenario in ('bf16', 'fp16'):  # shared: on every rank
+            net.proba_ = torch.as_tensor(net.predict_proba(X[:8]))
+        return net
     first = make_net(scenario, max_epochs=1).fit(X, y)
     files = {'f_' + name: out_dir / 'epoch1_{}.{}'.format(name, ext) for name, ext
              in [('params', 'pt'), ('optimizer', 'pt'), ('criterion', 'pt'),
@@ -393,6 +396,7 @@ def run(scenario, out_dir):
                     f_history=out_dir / 'history.json')
     save_rank({
         'params_keys': PARAMS_KEYS + [sorted(net.get_params(deep=False))],
+        'proba': getattr(net, 'proba_', None),
         'criterion': {key: value.detach().cpu() for key, value in getattr(
             net.criterion_, 'state_dict', dict)().items()},  # not a Module
         'shard_numel': sum(param.to_local().numel()
