@@ -13,6 +13,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from skorch.callbacks import GradientNormClipping
 from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.batching import FSDP2_TORCH, cast_outputs, zero_rows
@@ -376,7 +377,9 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         """Check that the net is ready to train, its FSDP options included.
 
         A ``Checkpoint`` that pickles the net (``f_pickle``) is refused:
-        an FSDP2 net does not pickle.
+        an FSDP2 net does not pickle; so are ``'fp16'`` and
+        ``GradientNormClipping`` beside learnable parameters outside
+        ``module_`` (:meth:`_check_gradients_of_one_kind`).
         """
         super().check_training_readiness()
         if getattr(self, 'initialized_', False):
@@ -386,6 +389,32 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
                 "callback {!r} has f_pickle={!r}, but an FSDP2 net does not "
                 "pickle; set f_pickle=None and keep f_params and f_optimizer "
                 "(save_params).".format(name, checkpoint.f_pickle))
+        self._check_gradients_of_one_kind()
+
+    def _check_gradients_of_one_kind(self):
+        """Refuse what takes sharded and plain gradients in one torch call.
+
+        Torch's GradScaler (``'fp16'``) and ``clip_grad_norm_`` refuse
+        plain tensors (a criterion's parameters, another module's) beside
+        FSDP2's DTensors.
+        """
+        if not getattr(self, 'initialized_', False):
+            return
+        sharded = {id(param) for param in self.module_.parameters()}
+        plain = [name for name, param in self.get_all_learnable_params()
+                 if param.requires_grad and id(param) not in sharded]
+        clipping = [name for name, cb in self.callbacks_
+                    if isinstance(cb, GradientNormClipping)]
+        if plain and (self.mixed_precision == 'fp16' or clipping):
+            raise ValueError(
+                "FSDP2 shards module_'s parameters, and torch's {} takes no "
+                "other parameters beside them, but {} are learnable outside "
+                "module_; freeze them, move them into module_, or use "
+                "DistributedGradAccMixin (DDP).".format(
+                    "GradScaler (mixed_precision='fp16')"
+                    if self.mixed_precision == 'fp16' else
+                    "clip_grad_norm_ (callback {!r})".format(clipping[0]),
+                    plain))
 
     def __getstate__(self):
         if isinstance(getattr(self, 'module_', None), FSDPModule):

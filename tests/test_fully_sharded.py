@@ -669,6 +669,42 @@ class TestValidation:
         assert all(torch.equal(after[key].full_tensor(), value.full_tensor())
                    for key, value in before.items())
 
+    @pytest.mark.parametrize('option', ['fp16', 'clip', 'frozen'])
+    def test_plain_gradients_beside_shards_are_refused_where_torch_would_fail(
+            self, tmp_path, option):
+        # torch's GradScaler and clip_grad_norm_ refuse a criterion's plain
+        # gradients beside the shards (a crash in the first step): refused
+        # before training, with what to do; a frozen criterion trains
+        kwargs = {'fp16': dict(mixed_precision='fp16'),
+                  'clip': dict(callbacks=[('clip', GradientNormClipping(1.0))]),
+                  'frozen': dict(mixed_precision='fp16')}[option]
+        dist.init_process_group('gloo', rank=0, world_size=1,
+                                init_method=(tmp_path / 'store').as_uri())
+        try:
+            net = FSDPNet(sequential_classifier, criterion=ShiftedTemperedNLL,
+                          max_epochs=1, verbose=0, train_split=None, **kwargs)
+            if option == 'frozen':
+                for param in net.initialize().criterion_.parameters():
+                    param.requires_grad_(False)
+                net.partial_fit(*classification_data(16))
+                return
+            net.initialize()
+            before = copy.deepcopy(net.module_.state_dict())
+            with pytest.raises(ValueError) as excinfo:
+                net.partial_fit(*classification_data(16))
+            after = net.module_.state_dict()
+        finally:
+            dist.destroy_process_group()
+        torch_part = {'fp16': "GradScaler (mixed_precision='fp16')",
+                      'clip': "clip_grad_norm_ (callback 'clip')"}[option]
+        assert str(excinfo.value) == (
+            "FSDP2 shards module_'s parameters, and torch's {} takes no other "
+            "parameters beside them, but ['log_t', 'shift'] are learnable "
+            "outside module_; freeze them, move them into module_, or use "
+            "DistributedGradAccMixin (DDP).".format(torch_part))
+        assert all(torch.equal(after[key].full_tensor(), value.full_tensor())
+                   for key, value in before.items())
+
     def test_fp16_checkpoints_hold_the_grad_scaler(self, tmp_path):
         # the full optimizer state carries the scaler's, as a plain net's
         dist.init_process_group('gloo', rank=0, world_size=1,
