@@ -584,6 +584,12 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
         Which of its parameters require a gradient is kept in
         ``_wrapped_requires_grad_``, for :meth:`run_single_epoch`.
         """
+        if not dist.is_available() or not dist.is_initialized():
+            # e.g. a net unpickled in one process: it predicts, not trains
+            raise RuntimeError(
+                "DistributedGradAccMixin needs the default process group to "
+                "train: start the script with torchrun and call "
+                "torch.distributed.init_process_group() before training.")
         param = next(module.parameters(), None)  # DDP says if none
         self._wrapped_requires_grad_ = requires_grad(module)
         return DistributedDataParallel(module, device_ids=(

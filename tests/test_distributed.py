@@ -427,6 +427,9 @@ def test_a_checkpoint_pickles_the_net_once_and_it_loads_anywhere(ddp):
     # the module's hooks draw from the net's own rank stream, not a copy
     hooks = loaded.module_._forward_pre_hooks.values()
     assert [hook.__self__ for hook in hooks] == [loaded.rank_stream_]
+    # it predicts here; training needs the process group, and says so
+    with pytest.raises(RuntimeError, match='start the script with torchrun'):
+        loaded.partial_fit(X, y)
 
 
 @pytest.mark.cuda
