@@ -629,7 +629,7 @@ def test_a_0d_output_reaches_callbacks_whole_over_ranks(tmp_path):
     plain = NeuralNetClassifier(PenaltyOutputMLP, batch_size=24, **params)
     plain.get_loss = penalized_loss(plain)
     plain.fit(X, y)
-    ours, expected = (dict(each.callbacks_)['penalties'].penalties_
+    ours, expected = (dict(each.callbacks_)['penalties'].outputs_
                       for each in (net, plain))
     assert len(ours) == 2
     np.testing.assert_allclose(ours, expected, rtol=1e-12)

@@ -124,7 +124,10 @@ class RecordOutputs(Callback):
 
     def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
         if training:
-            self.outputs_.append((type(y_pred), y_pred.logits.detach().clone()))
+            self.outputs_.append(self.record(y_pred))
+
+    def record(self, y_pred):
+        return type(y_pred), y_pred.logits.detach().clone()
 
 
 def test_model_outputs_reach_callbacks_as_model_outputs(clf_data):
@@ -177,18 +180,11 @@ def penalized_loss(net):
     return get_loss
 
 
-class RecordPenalties(Callback):
+class RecordPenalties(RecordOutputs):
     """Keeps each training step's penalty, as callbacks see it."""
 
-    train_batch_reads = ('y_pred',)
-
-    def initialize(self):
-        self.penalties_ = []
-        return self
-
-    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
-        if training:
-            self.penalties_.append(float(y_pred[1]))
+    def record(self, y_pred):
+        return float(y_pred[1])
 
 
 def test_a_0d_output_is_joined_as_the_pieces_mean(clf_data):
@@ -202,7 +198,7 @@ def test_a_0d_output_is_joined_as_the_pieces_mean(clf_data):
         net.get_loss = penalized_loss(net)
         fit_seeded(net, X, y)
     check(acc_net, plain_net)
-    ours, plain = (dict(net.callbacks_)['penalties'].penalties_
+    ours, plain = (dict(net.callbacks_)['penalties'].outputs_
                    for net in (acc_net, plain_net))
     np.testing.assert_allclose(ours, plain, rtol=1e-12)
     np.testing.assert_allclose(acc_net.predict_proba(X),
