@@ -180,7 +180,7 @@ class DataParallelEngine(Engine):
     * :meth:`end_step`: one all-reduce of the step's item count, loss sum
       and rows; the summed gradient (of this rank, or its shard) is divided
       by the count over all ranks, and the step's mean loss goes to the
-      history;
+      history; rank 0's buffers go to every rank;
     * :meth:`all_ranks`: one all-reduce of a flag.
 
     Parameters
@@ -246,6 +246,7 @@ class DataParallelEngine(Engine):
         dist.all_reduce(values, group=self.process_group)
         total, loss, rows = values
         self._sum_other_gradients(net)
+        self._broadcast_buffers(net)
         if hasattr(group, 'global_rows'):
             group.global_rows = rows
         # the summed gradient over all ranks is in units of 1, or of the
@@ -281,6 +282,30 @@ class DataParallelEngine(Engine):
         dist.all_reduce(flat, group=self.process_group)
         for param, summed in zip(params, flat.split([p.numel() for p in params])):
             param.grad.copy_(summed.view_as(param.grad))
+
+    def _broadcast_buffers(self, net):
+        """Give every rank rank 0's buffers, those of every module of the net.
+
+        A buffer that the forward pass updates (BatchNorm's running
+        statistics) learns from each rank's own rows: unshared, the ranks'
+        would drift apart, shared evaluation would mix them, and a
+        checkpoint (rank 0's) would not be what the other ranks hold. DDP
+        broadcasts rank 0's at some forward passes, FSDP2 never; once a
+        step, here, they are alike wherever a step ends. One broadcast per
+        device and dtype.
+        """
+        buffers = {id(buffer): buffer for module in net_modules(net)
+                   for buffer in module.buffers()}
+        by_kind = {}
+        for buffer in buffers.values():
+            by_kind.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+        src = 0 if self.process_group is None else dist.get_global_rank(
+            self.process_group, 0)
+        for same in by_kind.values():
+            flat = torch.cat([buffer.detach().reshape(-1) for buffer in same])
+            dist.broadcast(flat, src=src, group=self.process_group)
+            for buffer, value in zip(same, flat.split([b.numel() for b in same])):
+                buffer.detach().copy_(value.view_as(buffer))
 
     def others_unsynced(self, net):
         """Return a context in which the net's other DDP modules don't reduce.

@@ -51,6 +51,17 @@ class MLPClassifier(torch.nn.Module):
         return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
 
 
+class NormalizedMLP(MLPClassifier):
+    """MLPClassifier with a BatchNorm over its hidden layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(16, dtype=DTYPE)
+
+    def forward(self, X):
+        return torch.softmax(self.output(torch.tanh(self.norm(self.hidden(X)))), dim=-1)
+
+
 class ConvMLPClassifier(MLPClassifier):
     """MLPClassifier after a convolution of one channel, kernel 1: the plan
     tries the last piece of a micro-batch too (in float64, oneDNN compiles

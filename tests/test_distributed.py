@@ -58,6 +58,7 @@ from conftest import (
     PARAM_ATOL,
     FirstIsBest,
     MLPClassifier,
+    NormalizedMLP,
     TemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
@@ -73,7 +74,7 @@ TIME_LIMIT = 240
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'drop_last', 'tokens', 'bucket', 'iterable', 'groups', 'freeze',
-             'criterion', 'load_best', 'pickle']
+             'criterion', 'load_best', 'pickle', 'batchnorm']
 if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
@@ -365,6 +366,30 @@ def test_a_criterions_parameters_are_trained_over_all_ranks(ddp):
             torch.testing.assert_close(rank['criterion'][key], value,
                                        rtol=0, atol=PARAM_ATOL)
         assert_same_as_single_process([rank], net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+@pytest.mark.filterwarnings('ignore::skorch_gradacc.BatchNormWarning')
+def test_every_rank_ends_with_rank_zeros_buffers(ddp):
+    # each rank's BatchNorm learns its running statistics from its own rows;
+    # DDP broadcasts rank 0's at a later forward pass, the engine at each
+    # step's end: the fit ends with the same ones on every rank
+    ranks = ddp.ranks('batchnorm')
+    assert 'norm.running_mean' in ranks[0]['params']
+    for key, value in ranks[0]['params'].items():
+        torch.testing.assert_close(ranks[1]['params'][key], value, rtol=0, atol=0)
+    # the parameters train as in one process, where BatchNorm sees the same
+    # micro-batches
+    X, y = classification_data(195)
+    torch.manual_seed(0)
+    net = GradAccNeuralNetClassifier(
+        NormalizedMLP, batch_size=BATCH_SIZE, acc_steps=ACC_STEPS * WORLD_SIZE,
+        max_epochs=2, train_split=None, verbose=0, lr=0.1,
+        optimizer__momentum=0.9).fit(X, y)
+    for name, value in net.module_.named_parameters():
+        torch.testing.assert_close(ranks[0]['params'][name], value,
+                                   rtol=0, atol=PARAM_ATOL)
 
 
 @pytest.mark.slow  # torchrun

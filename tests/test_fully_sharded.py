@@ -60,6 +60,7 @@ from fsdp_worker import (  # noqa: E402
     SpikyClassifier,
     fp16_token_data,
     masked_data,
+    normalized_classifier,
     sequential_classifier,
     spiky_data,
 )
@@ -72,7 +73,7 @@ SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'criterion', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
              'iterable',
              'skip', 'masked',
-             'sampler', 'fp16_tokens', 'fp16_spike']
+             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm']
 LAUNCH_LIMIT = 480
 
 
@@ -324,6 +325,38 @@ def test_a_criterions_parameters_train_and_resume_beside_the_shards(fsdp):
     for index, state in expected['state'].items():
         torch.testing.assert_close(optimizer_state['state'][index], state,
                                    rtol=0, atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+@pytest.mark.filterwarnings('ignore::skorch_gradacc.BatchNormWarning')
+def test_every_rank_holds_rank_zeros_buffers(fsdp):
+    # each rank's BatchNorm learns its running statistics from its own rows;
+    # shared, they are rank 0's wherever a step ends: in the checkpoint, and
+    # in shared prediction, which predicts as a plain net from the checkpoint
+    ranks = fsdp.ranks('batchnorm')
+    saved = torch.load(fsdp.folder('batchnorm') / 'params.pt')
+    for rank in ranks:
+        assert rank['buffers'].keys() == {'1.running_mean', '1.running_var',
+                                          '1.num_batches_tracked'}
+        for key, value in rank['buffers'].items():
+            torch.testing.assert_close(value, saved[key], rtol=0, atol=0)
+    X, y = classification_data(N_SAMPLES)
+    plain = NeuralNetClassifier(normalized_classifier).initialize()
+    plain.module_.load_state_dict(saved)
+    for rank in ranks:
+        np.testing.assert_allclose(rank['proba'].numpy(), plain.predict_proba(X),
+                                   rtol=0, atol=1e-12)
+    # the parameters train as in one process: BatchNorm sees the same
+    # micro-batches there
+    torch.manual_seed(0)
+    net = GradAccNeuralNetClassifier(
+        normalized_classifier, batch_size=BATCH_SIZE,
+        acc_steps=ACC_STEPS * WORLD_SIZE, max_epochs=2, train_split=None,
+        verbose=0, lr=0.1, optimizer__momentum=0.9).fit(X, y)
+    for key, value in net.module_.state_dict().items():
+        if key not in ranks[0]['buffers']:
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=PARAM_ATOL)
 
 
 @pytest.mark.slow  # torchrun

@@ -13,6 +13,8 @@ Accelerate's state lives as long as the process)
 * ``drop_last``: 203 rows with ``iterator_train__drop_last=True``: 25
   micro-batches of 8 (3 rows dropped), and the short last step of one
   dropped too;
+* ``batchnorm``: ``samples`` with a BatchNorm, whose running statistics
+  each rank updates from its own rows;
 * ``tokens``: a token-level loss whose item counts differ between ranks;
 * ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
 * ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
@@ -92,6 +94,7 @@ from skorch_gradacc.distributed import DistributedGradAccMixin
 from conftest import (
     FirstIsBest,
     MLPClassifier,
+    NormalizedMLP,
     TemperedNLL,
     classification_data,
 )
@@ -103,7 +106,7 @@ OUT_DIR = []  # the launch's, for the scenarios that write files
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'drop_last': 203, 'raise': 195,
              'auto': 195, 'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
              'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195,
-             'outputs': 195}
+             'outputs': 195, 'batchnorm': 195}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -243,6 +246,8 @@ def make_net_and_data(scenario, rank, device):
                           callbacks=[CountsCriterionAllReduces()])
         return make_accelerated_net(**common), *classification_data(192)
     module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
+    if scenario == 'batchnorm':
+        module = NormalizedMLP
     if scenario in MAX_ROWS:
         module = CappedMLP
         common.update(micro_batch_size='auto',

@@ -44,7 +44,10 @@ after another, see worker_common.py)
   micro-batches count 384 tokens each; 12 steps of ``acc_steps=2``;
 * ``fp16_spike``: ``skip``'s model and data under ``'fp16'``, without
   ``skip_nonfinite``: the scaler alone finds the infinite gradient, in
-  rank 1's shard only.
+  rank 1's shard only;
+* ``batchnorm``: ``samples`` with a BatchNorm between the layers, whose
+  running statistics each rank updates from its own rows, and
+  ``predict_proba`` of every row.
 
 Rank 0 saves the net's full checkpoint (``save_params``) and the history
 to OUT_DIR/SCENARIO; each rank saves its counters to
@@ -86,6 +89,13 @@ def sequential_classifier():
         torch.nn.Linear(10, 16, dtype=DTYPE), torch.nn.Tanh(),
         torch.nn.Linear(16, 16, dtype=DTYPE), torch.nn.Tanh(),
         torch.nn.Linear(16, 3, dtype=DTYPE), torch.nn.Softmax(dim=-1))
+
+
+def normalized_classifier():
+    """``sequential_classifier`` with a BatchNorm after its first layer."""
+    layers = list(sequential_classifier())
+    return torch.nn.Sequential(
+        layers[0], torch.nn.BatchNorm1d(16, dtype=DTYPE), *layers[1:])
 
 
 class CappedClassifier(torch.nn.Sequential):
@@ -256,7 +266,7 @@ def make_net(scenario, max_epochs=2, X=None):
             FP16TokenModel, lr=FP16_LR, criterion=torch.nn.CrossEntropyLoss,
             mixed_precision='fp16',
             shard_classes=[torch.nn.Embedding, 'Linear'], **common)
-    module = sequential_classifier
+    module = {'batchnorm': normalized_classifier}.get(scenario, sequential_classifier)
     if scenario == 'micro':
         common['micro_batch_size'] = 3
     if scenario in MAX_ROWS:
@@ -322,8 +332,9 @@ def fit(scenario, out_dir):
         if scenario == 'plan':
             return refuse(net, X, y)
         net.partial_fit(X, y)
-        if scenario in ('bf16', 'fp16'):  # shared: on every rank
-            net.proba_ = torch.as_tensor(net.predict_proba(X[:8]))
+        if scenario in ('bf16', 'fp16', 'batchnorm'):  # shared: on every rank
+            net.proba_ = torch.as_tensor(net.predict_proba(
+                X if scenario == 'batchnorm' else X[:8]))
         return net
     first = make_net(scenario, max_epochs=1).fit(X, y)
     files = {'f_' + name: out_dir / 'epoch1_{}.{}'.format(name, ext) for name, ext
@@ -397,6 +408,8 @@ def run(scenario, out_dir):
     save_rank({
         'params_keys': PARAMS_KEYS + [sorted(net.get_params(deep=False))],
         'proba': getattr(net, 'proba_', None),
+        'buffers': {name: buffer.detach().cpu().clone()
+                    for name, buffer in net.module_.named_buffers()},
         'criterion': {key: value.detach().cpu() for key, value in getattr(
             net.criterion_, 'state_dict', dict)().items()},  # not a Module
         'shard_numel': sum(param.to_local().numel()
