@@ -88,11 +88,18 @@ def modules_to_shard(module, shard_classes=None):
     :func:`default_shard_classes`, if the module has any, else every member
     holding parameters of a :class:`torch.nn.Sequential` or
     :class:`torch.nn.ModuleList` (each layer of a plain ``Sequential``),
-    outermost first. The root is not included.
+    outermost first. The root is not included, nor a submodule whose
+    parameters are tied to others outside it (shared weights), which its
+    parent shards with them.
     """
     explicit = shard_classes is not None
     classes = tuple(shard_classes) if explicit else default_shard_classes(module)
     units = []
+    # where each parameter is reached from: a tied one (an embedding and
+    # the output layer) from more than one place
+    paths = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        paths.setdefault(param, []).append(name)
 
     def visit(parent, containers):
         for child in parent.children():
@@ -107,7 +114,13 @@ def modules_to_shard(module, shard_classes=None):
     visit(module, containers=False)
     if not units and not explicit:
         visit(module, containers=True)
-    return units
+    # FSDP2 manages a parameter in one unit, and only that unit's forward
+    # gathers it: a unit whose parameter is tied to one outside it is left
+    # to the module that holds both
+    names = {id(unit): name + '.' for name, unit in module.named_modules()}
+    return [unit for unit in units if all(
+        path.startswith(names[id(unit)])
+        for param in unit.parameters() for path in paths[param])]
 
 
 def shard_module(module, shard_classes=None, **kwargs):

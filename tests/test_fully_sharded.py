@@ -657,6 +657,55 @@ class TestUnits:
             module[0][0], module[0][1], module[1]]
         assert modules_to_shard(module, [torch.nn.Sequential]) == [module[0]]
 
+    @pytest.mark.parametrize('shard_classes', [None, ['Embedding', 'Linear']])
+    def test_tied_weights_stay_with_the_module_that_holds_both(self, shard_classes):
+        # FSDP2 gathers a parameter in its unit's forward alone: units
+        # of an embedding and an output layer that share it would fail
+        module = TiedTokenModel()
+        assert modules_to_shard(module, shard_classes) == [module[1]]
+
+    def test_a_tied_model_trains_as_plain_skorch(self, tmp_path):
+        # on one rank: torch's FSDP2 fails in the first forward pass when
+        # the tied layers are units of their own
+        X, y = torch.randint(0, 20, (40, 5)), torch.randint(0, 20, (40,))
+        common = dict(criterion=torch.nn.CrossEntropyLoss, max_epochs=2,
+                      lr=0.1, train_split=None, verbose=0)
+        torch.manual_seed(0)
+        plain = NeuralNet(TiedTokenModel, batch_size=16, **common).fit(X, y)
+        dist.init_process_group('gloo', rank=0, world_size=1,
+                                init_method=(tmp_path / 'store').as_uri())
+        try:
+            torch.manual_seed(0)
+            net = FSDPTokenNet(TiedTokenModel, batch_size=4, acc_steps=4,
+                               **common).fit(X, y)
+            weight = net.module_[0].weight.full_tensor()
+        finally:
+            dist.destroy_process_group()
+        assert net.module_[3].weight is net.module_[0].weight
+        torch.testing.assert_close(weight, plain.module_[0].weight,
+                                   rtol=0, atol=PARAM_ATOL)
+        np.testing.assert_allclose(net.history[:, 'train_loss'],
+                                   plain.history[:, 'train_loss'], rtol=1e-12)
+
+
+class TiedTokenModel(torch.nn.Sequential):
+    """An embedding whose weight the output layer shares, with a Linear
+    between them, and rows of token ids classed by their mean."""
+
+    def __init__(self):
+        super().__init__(
+            torch.nn.Embedding(20, 8, dtype=DTYPE),
+            torch.nn.Linear(8, 8, dtype=DTYPE), torch.nn.Tanh(),
+            torch.nn.Linear(8, 20, bias=False, dtype=DTYPE))
+        self[3].weight = self[0].weight
+
+    def forward(self, X):
+        return super().forward(X).mean(1)
+
+
+class FSDPTokenNet(FullyShardedGradAccMixin, GradAccNeuralNet):
+    pass
+
 
 class TestValidation:
     @pytest.mark.parametrize('params, message', [
