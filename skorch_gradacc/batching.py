@@ -3,7 +3,8 @@
 The data is what skorch's iterators yield: usually ``(X, y)`` whose members
 are tensors, arrays, pandas objects, or dicts and sequences of those.
 :func:`split_batch` makes views (:func:`skorch.utils.multi_indexing`), never
-copies. The checks and the ranks here are shared by the package's modules.
+copies. The checks, the ranks and :func:`uncompiled` here are shared by the
+package's modules.
 """
 
 import copy
@@ -333,6 +334,16 @@ def length_or_none(iterable):
 #: ``fully_shard``, and ``set_force_sum_reduction_for_comms`` for sum-only
 #: reductions on gloo.
 FSDP2_TORCH = (2, 8)
+
+
+def uncompiled(module):
+    """Return the module that ``torch.compile`` wrapped, or ``module``.
+
+    skorch's ``compile=True`` wraps each module and criterion after
+    ``initialize_module`` (around DDP's or FSDP2's module); the wrapper
+    keeps it as ``_orig_mod``, as skorch reads it.
+    """
+    return getattr(module, '_orig_mod', module)
 
 
 def has_fsdp2():

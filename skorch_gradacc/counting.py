@@ -25,6 +25,7 @@ from skorch_gradacc.batching import (
     concat_outputs,
     n_ranks,
     split_batch,
+    uncompiled,
     user_stacklevel,
 )
 
@@ -77,6 +78,7 @@ def warn_of_batch_norm(net):
 
 def _rule(criterion):
     """How ``criterion`` averages: a hashable rule, or 'rows'."""
+    criterion = uncompiled(criterion)
     reduction = getattr(criterion, 'reduction', None)
     if reduction == 'sum':
         return 'sum'

@@ -25,7 +25,13 @@ from skorch.callbacks import Checkpoint
 from skorch.utils import to_device
 from torch.nn.parallel import DistributedDataParallel
 
-from skorch_gradacc.batching import n_ranks, this_rank, user_stacklevel, zero_rows
+from skorch_gradacc.batching import (
+    n_ranks,
+    this_rank,
+    uncompiled,
+    user_stacklevel,
+    zero_rows,
+)
 from skorch_gradacc.engine import engine_for
 
 __all__ = ['DistributedGradAccMixin']
@@ -603,27 +609,40 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
         If a callback (skorch's ``Freezer``, ``Unfreezer``) or the user has
         changed which parameters require a gradient since the module was
         wrapped, it is wrapped anew, on every rank; a module unpickled
-        (pickled unwrapped), wrapped again.
+        (pickled unwrapped), wrapped again; with ``compile=True``, compiled
+        around DDP, as skorch compiles it after :meth:`initialize_module`.
         """
-        module = self.module_
+        module = uncompiled(self.module_)
         if training and not isinstance(module, DistributedDataParallel):
-            self.module_ = self._wrap(module)
+            self.module_ = self.torch_compile(self._wrap(module), 'module')
         elif (training and module is not self.module  # not the user's own
               and requires_grad(module.module) != self._wrapped_requires_grad_):
             # DDP syncs the parameters that required a gradient when it
             # wrapped: it would raise for want of a frozen one's gradient,
             # and leave an unfrozen one's unsynced
-            self.module_ = self._wrap(module.module)
+            self.module_ = self.torch_compile(self._wrap(module.module), 'module')
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
+
+    def _without_ddp(self, module):
+        """Return ``module`` as a plain net holds it: without DDP's wrapper.
+
+        Compiled, if it was (``compile=True``), as skorch compiles it: a
+        new wrapper, whose parameters are named ``_orig_mod.<name>``.
+        """
+        inner = uncompiled(module)
+        if not isinstance(inner, DistributedDataParallel):
+            return module
+        return inner.module if inner is module else self.torch_compile(
+            inner.module, 'module')
 
     def __getstate__(self):
         # the module unwrapped: DDP's wrapper unpickles only in a process
         # group; training wraps it again (run_single_epoch)
         module = self.__dict__.get('module_')
-        if not isinstance(module, DistributedDataParallel) or module is self.module:
+        if uncompiled(module) is self.module:  # the user's own: as given
             return super().__getstate__()
-        self.__dict__['module_'] = module.module
+        self.__dict__['module_'] = self._without_ddp(module)
         try:
             return super().__getstate__()
         finally:
@@ -636,10 +655,12 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
         ``optimizer__param_groups``, ``Freezer`` and ``ParamMapper``:
         without DDP's ``module.`` prefix, they match as in a plain net.
         """
-        names = {}
-        if isinstance(self.module_, DistributedDataParallel):
-            names = {param: name for name, param
-                     in self.module_.module.named_parameters()}
+        module, names = uncompiled(self.module_), {}
+        if isinstance(module, DistributedDataParallel):
+            # compile=True's wrapper names them _orig_mod.<name>, in a plain net too
+            prefix = '' if module is self.module_ else '_orig_mod.'
+            names = {param: prefix + name
+                     for name, param in module.module.named_parameters()}
         for name, param in super().get_all_learnable_params():
             yield names.get(param, name), param
 
@@ -651,7 +672,4 @@ class DistributedGradAccMixin(RankZeroCheckpointMixin, RankRandomStreamMixin,
     def _get_module(self, name, msg):
         # skorch's save_params and load_params read and write the module
         # through this: give them the unwrapped module, a plain net's keys
-        module = super()._get_module(name, msg)
-        if isinstance(module, DistributedDataParallel):
-            return module.module
-        return module
+        return self._without_ddp(super()._get_module(name, msg))

@@ -38,7 +38,12 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from skorch_gradacc.batching import concat_outputs, output_rows, zero_rows
+from skorch_gradacc.batching import (
+    concat_outputs,
+    output_rows,
+    uncompiled,
+    zero_rows,
+)
 from skorch_gradacc.counting import net_modules, scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
@@ -317,6 +322,7 @@ class DataParallelEngine(Engine):
         """
         stack = contextlib.ExitStack()
         for module in net_modules(net) if net is not None else ():
+            module = uncompiled(module)
             if (isinstance(module, DistributedDataParallel)
                     and module is not self.module):
                 stack.enter_context(module.no_sync())
@@ -502,8 +508,10 @@ def engine_for(module, fp16=False, shard=False):
     """Return the engine of ``module``.
 
     A :class:`DDPEngine` (with ``fp16`` and ``shard``) if it is wrapped in
-    DistributedDataParallel, else the single process's :class:`Engine`.
+    DistributedDataParallel (and maybe compiled), else the single process's
+    :class:`Engine`.
     """
+    module = uncompiled(module)
     if isinstance(module, DistributedDataParallel):
         return DDPEngine(module, shard=shard, fp16=fp16)
     return Engine(module)

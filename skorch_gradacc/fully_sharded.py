@@ -16,7 +16,12 @@ import torch.distributed as dist
 from skorch.callbacks import GradientNormClipping
 from skorch.utils import _check_f_arguments
 
-from skorch_gradacc.batching import FSDP2_TORCH, cast_outputs, zero_rows
+from skorch_gradacc.batching import (
+    FSDP2_TORCH,
+    cast_outputs,
+    uncompiled,
+    zero_rows,
+)
 from skorch_gradacc.distributed import (
     RankRandomStreamMixin,
     RankZeroCheckpointMixin,
@@ -430,7 +435,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
                     plain))
 
     def __getstate__(self):
-        if isinstance(getattr(self, 'module_', None), FSDPModule):
+        if isinstance(uncompiled(getattr(self, 'module_', None)), FSDPModule):
             raise TypeError(
                 "An FSDP2 net does not pickle (fully_shard makes classes of "
                 "its own); use save_params and load_params.")
@@ -448,7 +453,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         """Initialize the module and shard it with ``fully_shard``."""
         self._check_fsdp_params()
         super().initialize_module()
-        if isinstance(self.module_, FSDPModule):
+        if isinstance(uncompiled(self.module_), FSDPModule):
             return self
         # fully_shard moves each module to the mesh's device as it shards it,
         # so that the whole module never has to fit there
@@ -461,9 +466,9 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         return self
 
     def make_engine(self):
-        """Return the FSDP2 engine of the sharded module."""
-        if isinstance(self.module_, FSDPModule):
-            return FullyShardedEngine(self.module_, self.sync_each_batch,
+        """Return the FSDP2 engine of the sharded module (maybe compiled)."""
+        if isinstance(module := uncompiled(self.module_), FSDPModule):
+            return FullyShardedEngine(module, self.sync_each_batch,
                                       fp16=self.mixed_precision == 'fp16')
         return super().make_engine()
 
@@ -502,7 +507,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         # skorch's save_params and load_params read and write the module and
         # the optimizers through this: give them the full, unsharded state
         module = super()._get_module(name, msg)
-        if self._is_sharded(name) and isinstance(self.module_, FSDPModule):
+        if self._is_sharded(name) and isinstance(uncompiled(self.module_), FSDPModule):
             return _FullState(self, name)
         return module
 
@@ -510,7 +515,9 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         """Gather the full state of ``module_`` or an optimizer (collective)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if attr == 'module_':
-            return get_model_state_dict(self.module_, options=options)
+            state = get_model_state_dict(uncompiled(self.module_), options=options)
+            prefix = self._compiled_prefix()
+            return {prefix + key: value for key, value in state.items()}
         optimizer = getattr(self, attr)
         state = get_optimizer_state_dict(self._state_model(), optimizer,
                                          options=options)
@@ -533,9 +540,13 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         model = torch.nn.Module()
         for name in self._modules + self._criteria:
             module = getattr(self, name + '_', None)
-            if isinstance(module, torch.nn.Module):
-                model.add_module(name, module)
+            if isinstance(module, torch.nn.Module):  # named as by DCP: uncompiled
+                model.add_module(name, uncompiled(module))
         return model
+
+    def _compiled_prefix(self):
+        """Return what ``compile=True`` puts before module keys in a plain net."""
+        return '' if uncompiled(self.module_) is self.module_ else '_orig_mod.'
 
     def _param_names(self, optimizer):
         names = {param: name for name, param
@@ -547,7 +558,10 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         """Shard a full state dict into ``module_`` or an optimizer."""
         options = StateDictOptions(full_state_dict=True)
         if attr == 'module_':
-            set_model_state_dict(self.module_, state_dict, options=options)
+            prefix = self._compiled_prefix()
+            set_model_state_dict(uncompiled(self.module_), {
+                key[len(prefix):] if key.startswith(prefix) else key: value
+                for key, value in state_dict.items()}, options=options)
             return
         optimizer = getattr(self, attr)
         if (scaler := self._get_grad_scaler()) is not None:  # as its own hook

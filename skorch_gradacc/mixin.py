@@ -18,6 +18,7 @@ from skorch_gradacc.batching import (
     batch_len,
     concat_outputs,
     detach_outputs,
+    uncompiled,
 )
 from skorch_gradacc.callbacks import (
     callback_reads,
@@ -289,13 +290,10 @@ class GradAccMixin(PrecisionMixin):
                 or isinstance(self.get_engine(), DataParallelEngine))
 
     def get_engine(self):
-        """Return the engine of the module: what differs in a step.
-
-        :mod:`skorch_gradacc.engine`; made anew by :meth:`make_engine` for
-        a new ``module_``.
-        """
+        """Return the engine of ``module_`` (:mod:`skorch_gradacc.engine`)."""
         engine = getattr(self, 'engine_', None)
-        if engine is None or engine.module is not getattr(self, 'module_', None):
+        module = uncompiled(getattr(self, 'module_', None))  # compile=True's
+        if engine is None or engine.module is not module:
             engine = self.engine_ = self.make_engine()
         return engine
 

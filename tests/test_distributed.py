@@ -74,7 +74,7 @@ TIME_LIMIT = 240
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'drop_last', 'tokens', 'bucket', 'iterable', 'groups', 'freeze',
-             'criterion', 'load_best', 'pickle', 'batchnorm']
+             'criterion', 'load_best', 'pickle', 'batchnorm', 'compile']
 if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
@@ -390,6 +390,37 @@ def test_every_rank_ends_with_rank_zeros_buffers(ddp):
     for name, value in net.module_.named_parameters():
         torch.testing.assert_close(ranks[0]['params'][name], value,
                                    rtol=0, atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_compiled_ddp_trains_saves_and_pickles_as_plain_skorch_compiled(ddp):
+    # skorch compiles DDP's module after initialize_module, as torch advises:
+    # one DDP, whose engine reduces once a step (in the last step one rank
+    # has two micro-batches, the other one); names, the file and the pickle
+    # as a compiled plain net's
+    ranks = ddp.ranks('compile')
+    net = classifier(211, compile=True)
+    plain_state = net.module_.state_dict()  # the keys _orig_mod.<name>
+    saved = torch.load(ddp.folder('compile') / 'params.pt')
+    assert saved.keys() == plain_state.keys()
+    for rank in ranks:
+        assert rank['wrappers'] == [
+            'OptimizedModule', 'DistributedDataParallel', 'MLPClassifier']
+        assert rank['allreduces'] == rank['steps'] == 2 * 5
+        assert rank['names'] == [name for name, _ in net.get_all_learnable_params()]
+        np.testing.assert_allclose(rank['train_loss'], net.history[:, 'train_loss'],
+                                   rtol=1e-10)
+        for key, value in plain_state.items():
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=PARAM_ATOL)
+            torch.testing.assert_close(rank['params'][key.removeprefix('_orig_mod.')],
+                                       value, rtol=0, atol=PARAM_ATOL)
+    # without a process group, as the rank's shared prediction
+    with open(ddp.folder('compile') / 'net.pkl', 'rb') as f:
+        unpickled = pickle.load(f)
+    X, _ = classification_data(211)
+    np.testing.assert_allclose(unpickled.predict_proba(X), ranks[0]['proba'].numpy(),
+                               rtol=0, atol=1e-12)
 
 
 @pytest.mark.slow  # torchrun

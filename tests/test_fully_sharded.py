@@ -73,7 +73,7 @@ SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'criterion', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
              'iterable',
              'skip', 'masked',
-             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm']
+             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile']
 LAUNCH_LIMIT = 480
 
 
@@ -325,6 +325,18 @@ def test_a_criterions_parameters_train_and_resume_beside_the_shards(fsdp):
     for index, state in expected['state'].items():
         torch.testing.assert_close(optimizer_state['state'][index], state,
                                    rtol=0, atol=PARAM_ATOL)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_compiled_fsdp2_trains_and_saves_as_plain_skorch_compiled(fsdp):
+    # skorch compiles the sharded root after initialize_module, as torch
+    # advises: the net still trains with FSDP2's engine, and its full
+    # checkpoint has a compiled plain net's keys (_orig_mod.<name>)
+    ranks = fsdp.ranks('compile')
+    net = plain_classifier(compile=True)
+    assert_params_equal(torch.load(fsdp.folder('compile') / 'params.pt'), net)
+    assert_losses_equal(ranks, net)
 
 
 @pytest.mark.slow  # torchrun

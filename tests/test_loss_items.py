@@ -90,6 +90,17 @@ class TestCountIsWhatTorchDividesBy:
         torch.testing.assert_close(criterion(logits, y) * count,
                                    summed(criterion)(logits, y), rtol=1e-12, atol=0)
 
+    @pytest.mark.parametrize('criterion', CLASS_CRITERIA, ids=repr)
+    def test_compiled_criteria_count_as_their_own(self, criterion):
+        # skorch's compile=True wraps each criterion in torch.compile's
+        # module: class weights and ignore_index count as without it
+        logits, classes, _ = targets_and_inputs()
+        y = classes.clamp(min=0) if criterion.ignore_index != IGNORE else classes
+        compiled = torch.compile(criterion)
+        assert type(compiled) is not type(criterion)
+        assert count_items([compiled], (logits, y)) == count_items(
+            [criterion], (logits, y)) != len(y)
+
     @pytest.mark.filterwarnings('ignore:reduction.*batchmean:UserWarning')
     @pytest.mark.parametrize('criterion', ELEMENT_CRITERIA, ids=repr)
     @pytest.mark.parametrize('shape', [(5,), (5, 3), (5, 3, 2)])

@@ -15,6 +15,9 @@ Accelerate's state lives as long as the process)
   dropped too;
 * ``batchnorm``: ``samples`` with a BatchNorm, whose running statistics
   each rank updates from its own rows;
+* ``compile``: ``samples`` on 211 rows with skorch's ``compile=True``
+  (in the last step rank 0 has two micro-batches, rank 1 one); saves the
+  net's params and rank 0's pickle to OUT_DIR/compile;
 * ``tokens``: a token-level loss whose item counts differ between ranks;
 * ``bucket``: a bucketing ``batch_sampler`` with dynamic padding;
 * ``iterable``: an ``IterableDataset`` of ready micro-batches, no length;
@@ -106,7 +109,7 @@ OUT_DIR = []  # the launch's, for the scenarios that write files
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'drop_last': 203, 'raise': 195,
              'auto': 195, 'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
              'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195,
-             'outputs': 195, 'batchnorm': 195}
+             'outputs': 195, 'batchnorm': 195, 'compile': 211}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -275,11 +278,14 @@ def make_net_and_data(scenario, rank, device):
         module = ModelOutputMLP
         common.update(criterion=NLLOfOutputs, callbacks=[
             ('outputs', RecordOutputs())])
+    if scenario == 'compile':
+        common['compile'] = True
     if scenario == 'pickle':  # the net's file alone
         common['callbacks'] = [Checkpoint(
             monitor=None, f_params=None, f_optimizer=None, f_criterion=None,
             f_history=None, f_pickle='net.pkl', dirname=OUT_DIR[0])]
-    net_cls = PicklableDDPClassifier if scenario == 'pickle' else DDPClassifier
+    net_cls = (PicklableDDPClassifier if scenario in ('pickle', 'compile')
+               else DDPClassifier)
     return net_cls(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
@@ -297,6 +303,8 @@ def run(scenario, out_dir, device):
         return refuse(net, X, y, out_dir)
     if scenario == 'pickle':
         return pickle_and_resume(net, X, y, out_dir)
+    if scenario == 'compile':
+        return compile_and_pickle(net, X, y, out_dir)
     params_before = sorted(net.get_params(deep=False))
     net.fit(X, y)
     draw = torch.rand(()).item() if scenario == 'load_best' else None
@@ -394,6 +402,27 @@ def pickle_and_resume(net, X, y, out_dir):
         'resumed_module': type(resumed.module_).__name__,
         'params': params_of(resumed),
         'train_loss': [float(loss) for loss in resumed.history[:, 'train_loss']],
+    }, out_dir)
+
+
+def compile_and_pickle(net, X, y, out_dir):
+    """'compile': fit, save the params and (rank 0) pickle the net."""
+    net.fit(X, y)
+    net.save_params(f_params=os.path.join(out_dir, 'params.pt'))
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, 'net.pkl'), 'wb') as f:
+            pickle.dump(net, f)
+    wrapped = net.module_._orig_mod  # torch.compile's
+    save_rank({
+        'wrappers': [type(module).__name__ for module in (
+            net.module_, wrapped, wrapped.module)],
+        'names': [name for name, _ in net.get_all_learnable_params()],
+        'params': {key: value.cpu() for key, value
+                   in wrapped.module.state_dict().items()},
+        'allreduces': net.engine_.allreduces,
+        'steps': sum(net.history[:, 'train_batch_count']),
+        'train_loss': [float(loss) for loss in net.history[:, 'train_loss']],
+        'proba': torch.as_tensor(net.predict_proba(X)),
     }, out_dir)
 
 

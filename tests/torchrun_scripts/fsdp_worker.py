@@ -45,6 +45,7 @@ after another, see worker_common.py)
 * ``fp16_spike``: ``skip``'s model and data under ``'fp16'``, without
   ``skip_nonfinite``: the scaler alone finds the infinite gradient, in
   rank 1's shard only;
+* ``compile``: ``samples`` with skorch's ``compile=True``;
 * ``batchnorm``: ``samples`` with a BatchNorm between the layers, whose
   running statistics each rank updates from its own rows, and
   ``predict_proba`` of every row.
@@ -293,6 +294,8 @@ def make_net(scenario, max_epochs=2, X=None):
         common['callbacks'] = [GradientNormClipping(CLIP_NORM)]
     if scenario == 'criterion':
         common.update(criterion=ShiftedTemperedNLL, optimizer__weight_decay=0.01)
+    if scenario == 'compile':
+        common['compile'] = True
     return FSDPClassifier(
         module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
