@@ -320,10 +320,17 @@ def _planned_sizes(most):
 
 
 def length_or_none(iterable):
-    """Return ``len(iterable)``, or None if it has no length.
+    """Return ``len(iterable)``, or None if it has no length it keeps.
 
-    E.g. a DataLoader over an ``IterableDataset`` without one.
+    None for a DataLoader over an ``IterableDataset`` without a length, and
+    over one with loading workers: its length is then torch's estimate from
+    the dataset's ``__len__``, and workers that split the stream may yield
+    more batches (each its own short last one).
     """
+    data = torch.utils.data
+    if isinstance(iterable, data.DataLoader) and iterable.num_workers and isinstance(
+            iterable.dataset, data.IterableDataset):
+        return None
     try:
         return len(iterable)
     except TypeError:

@@ -82,8 +82,9 @@ class MicroBatchGroups:
 
     def __len__(self):
         """Return the number of groups, if the iterator has a length."""
-        count = full_steps(self.micro_batches, len(self.micro_batches),
-                           self.acc_steps)
+        if (count := length_or_none(self.micro_batches)) is None:
+            raise TypeError('the training iterator has no length')
+        count = full_steps(self.micro_batches, count, self.acc_steps)
         return math.ceil(count / self.acc_steps)
 
     def __iter__(self):

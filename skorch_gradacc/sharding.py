@@ -265,8 +265,9 @@ class ShardedMicroBatchGroups:
     def __len__(self):
         """Return the number of steps, the same on every rank."""
         per_step = self.acc_steps * self.world_size
-        return math.ceil(full_steps(self.micro_batches, len(self.micro_batches),
-                                    per_step) / per_step)
+        if (count := length_or_none(self.micro_batches)) is None:
+            raise TypeError('the training iterator has no length')
+        return math.ceil(full_steps(self.micro_batches, count, per_step) / per_step)
 
     def _streams(self):
         """Return the global stream of items, a loader and a template.

@@ -33,6 +33,7 @@ from test_inputs import (
     PenaltyOutputMLP,
     RecordOutputs,
     RecordPenalties,
+    SplitStreamDataset,
     penalized_loss,
 )
 from test_mixed_precision import Float32MLP, HugeInitialScaleNet
@@ -663,6 +664,21 @@ def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
     assert [kind.__name__ for kind, _ in ours] == ['SequenceClassifierOutput'] * 2
     for (_, logits), (_, plain_logits) in zip(ours, expected, strict=True):
         torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
+
+
+def test_a_streams_length_is_no_limit_over_ranks_when_workers_split_it(tmp_path):
+    # as in one process: 14 micro-batches where the loader's length says 13
+    X, y = classification_data(101)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        net = DDPClassifier(MLPClassifier, batch_size=8, acc_steps=4, max_epochs=1,
+                            train_split=None, verbose=0,
+                            iterator_train__num_workers=2).fit(
+            SplitStreamDataset(X, y), None)
+    finally:
+        dist.destroy_process_group()
+    assert net.history[-1, 'batches', :, 'train_batch_size'] == [32, 32, 32, 5]
 
 
 def test_a_0d_output_reaches_callbacks_whole_over_ranks(tmp_path):

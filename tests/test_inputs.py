@@ -21,6 +21,7 @@ from conftest import (
     fit_seeded,
     make_nets,
     max_param_diff,
+    param_diff,
 )
 
 
@@ -279,6 +280,41 @@ def test_iterable_dataset_of_unknown_length(clf_data):
     sizes = [row['train_batch_size'] for row in acc_net.history[-1, 'batches']]
     assert sizes == [32] * 6 + [11]
     check(acc_net, plain_net)
+
+
+class SplitStreamDataset(StreamDataset):
+    """A stream whose loading workers split its rows, as torch's docs show;
+    with a length unless ``sized=False``."""
+
+    def __init__(self, X, y, sized=True):
+        super().__init__(X, y)
+        self.sized = sized
+
+    def __len__(self):
+        if not self.sized:
+            raise TypeError('unknown length')
+        return len(self.X)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(first, len(self.X), step):
+            yield torch.as_tensor(self.X[i]), torch.as_tensor(self.y[i])
+
+
+def test_a_streams_length_is_no_limit_when_workers_split_it(clf_data):
+    # 2 workers yield 51 and 50 rows, each with its own short last batch:
+    # 14 micro-batches of at most 8 rows, where the loader's length (torch's
+    # estimate) says 13; every row trains, as without a length
+    X, y = clf_data[0][:101], clf_data[1][:101]
+    settings = dict(train_split=None, iterator_train__num_workers=2)
+    nets = [fit_seeded(make_nets(4, 8, **settings)[0],
+                       SplitStreamDataset(X, y, sized=sized), None)
+            for sized in (True, False)]
+    for net in nets:
+        sizes = [row['train_batch_size'] for row in net.history[-1, 'batches']]
+        assert sizes == [32, 32, 32, 5]
+    assert param_diff(*nets) == 0
 
 
 def test_numpy_float_targets_for_regression(reg_data):
