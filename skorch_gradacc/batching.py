@@ -112,8 +112,8 @@ def arrays_in(data):
 def zero_rows(batch, n=None):
     """Return a batch of the same structure and trailing shapes, with 0 rows.
 
-    It holds no reference to ``batch``'s data. A rank without a piece runs
-    its passes on it, for the collectives; its gradient is zero.
+    It holds no reference to ``batch``'s data: the padding of a rank
+    without a piece (:func:`padding_batch`).
 
     Examples
     --------
@@ -139,8 +139,63 @@ def zero_rows(batch, n=None):
     return empty.copy() if isinstance(empty, np.ndarray) else empty
 
 
+class _PaddingDict(dict):
+    """The zero-row ``X`` of a padding batch given as a dict, with its row."""
+
+    stand_in_ = None
+
+
+def padding_batch(batch):
+    """Return a batch of zero rows of ``batch``'s structure, for padding.
+
+    Its ``X`` (the first member of a tuple or list, else the batch), a
+    tensor or a dict, holds the first two rows of ``batch``'s ``X`` (one if
+    it has one) as ``stand_in_`` (a copy: not the batch), which
+    :class:`~skorch_gradacc.engine.PaddingMixin` runs the module on.
+    Another ``X`` holds none.
+
+    Examples
+    --------
+    >>> import torch
+    >>> X, y = padding_batch((torch.ones(4, 3), torch.zeros(4)))
+    >>> X.shape, y.shape, X.stand_in_.shape
+    (torch.Size([0, 3]), torch.Size([0]), torch.Size([2, 3]))
+
+    """
+    empty = zero_rows(batch)
+    is_pair = isinstance(batch, (tuple, list))
+    X, empty_X = (batch[0], empty[0]) if is_pair else (batch, empty)
+    if isinstance(empty_X, dict):
+        empty_X = _PaddingDict(empty_X)
+    if isinstance(empty_X, (torch.Tensor, _PaddingDict)) and (
+            stand_in := _first_rows(X)) is not None:
+        empty_X.stand_in_ = stand_in
+    if not is_pair:
+        return empty_X
+    return type(batch)([empty_X, *empty[1:]])
+
+
+def _first_rows(X):
+    """Return a copy of the first two rows of ``X`` (a tensor or a dict of them).
+
+    None for another ``X``, or one without rows.
+    """
+    values = X.values() if isinstance(X, dict) else [X]
+    if not all(isinstance(value, torch.Tensor) and value.dim() and len(value)
+               for value in values):
+        return None
+    if isinstance(X, dict):
+        return {key: value[:2].clone() for key, value in X.items()}
+    return X[:2].clone()
+
+
 def _apply(fn, outputs):
-    """Apply ``fn`` to parallel lists of tensors in nested outputs."""
+    """Apply ``fn`` to parallel lists of tensors in nested outputs.
+
+    Another leaf (a Hugging Face model's cache) is kept as it is from one
+    output; from several, the same object of every one, else None: the
+    pieces' caches make none of the whole.
+    """
     first = outputs[0]
     if first is None:
         return None
@@ -154,10 +209,7 @@ def _apply(fn, outputs):
     if isinstance(first, (tuple, list)):
         return type(first)(
             _apply(fn, [out[i] for out in outputs]) for i in range(len(first)))
-    raise TypeError(
-        "Cannot join module outputs of type {}; return tensors, or dicts, "
-        "tuples or lists of tensors from the module's forward.".format(
-            type(first).__name__))
+    return first if all(out is first for out in outputs) else None
 
 
 def cast_outputs(output, dtype):
@@ -188,6 +240,15 @@ def output_rows(output, rows):
     # a 0-d tensor (a loss) is not per row: whole
     return _apply(lambda tensors: (tensors[0] if tensors[0].dim() == 0
                                    else tensors[0][rows]).cpu(), [output])
+
+
+def outputs_of_no_rows(output):
+    """Return a module output cut to zero rows, on its device, in its graph.
+
+    A 0-d tensor (a loss) is not per row: kept.
+    """
+    return _apply(lambda tensors: tensors[0][:0] if tensors[0].dim()
+                  else tensors[0], [output])
 
 
 def concat_outputs(outputs):

@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from skorch_gradacc.batching import (
     n_ranks,
+    padding_batch,
     this_rank,
     uncompiled,
     user_stacklevel,
-    zero_rows,
 )
 from skorch_gradacc.engine import engine_for
 
@@ -456,7 +456,7 @@ def evaluate_in_rounds(iterator, evaluate, rank, world_size,
         if not round_:
             return
         own = rank < len(round_)
-        empty = zero_rows(round_[0])
+        empty = padding_batch(round_[0])
         result = evaluate(round_[rank] if own else empty, own)
         if passes is not None:
             ran = passes(round_[rank]) if own else 1

@@ -17,6 +17,9 @@ the skip decision. An engine supplies only what differs:
 * :meth:`Engine.share_step`: the step's batch and outputs, as the
   callbacks see them.
 
+A rank's padding passes run the module on stand-in rows (``PaddingMixin``,
+a base of :class:`~skorch_gradacc.GradAccMixin`).
+
 :class:`Engine` is the single process's, the trivial one.
 ``DataParallelEngine`` adds what every data-parallel engine shares,
 ``DDPEngine`` is that of a module wrapped in
@@ -41,14 +44,49 @@ from torch.utils.data import DistributedSampler
 from skorch_gradacc.batching import (
     concat_outputs,
     output_rows,
+    outputs_of_no_rows,
+    padding_batch,
     uncompiled,
-    zero_rows,
 )
 from skorch_gradacc.counting import net_modules, scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
 __all__ = ['Engine']
+
+
+class PaddingMixin:
+    """Run the module of a padding pass on its stand-in rows.
+
+    A rank without a piece of its own runs its engine's passes, and its
+    share of an evaluation round, on a
+    :func:`~skorch_gradacc.batching.padding_batch` of zero rows, for the
+    collectives. Many modules refuse zero rows (a Hugging Face model
+    reshapes its attention mask by the rows): :meth:`infer` of a padding
+    batch's ``X`` runs the module on its stand-in rows, with the buffers it
+    changes (a BatchNorm's statistics) as before, and cuts the outputs to
+    zero rows, so the loss and the counts see no row and the gradient is
+    zero.
+    """
+
+    def infer(self, x, **fit_params):
+        """Run the module on ``x``; on a padding batch's, on its stand-in rows."""
+        stand_in = getattr(x, 'stand_in_', None)
+        if stand_in is None:
+            return super().infer(x, **fit_params)
+        # on copies of the buffers, which the pass may change (its graph may
+        # hold them: a BatchNorm's backward checks that they stay as they were)
+        buffers = [(module, name, buffer) for net_module in net_modules(self)
+                   for module in net_module.modules()
+                   for name, buffer in module.named_buffers(recurse=False)]
+        for module, name, buffer in buffers:
+            setattr(module, name, buffer.clone())
+        try:
+            out = super().infer(stand_in, **fit_params)
+        finally:
+            for module, name, buffer in buffers:
+                setattr(module, name, buffer)
+        return outputs_of_no_rows(out)
 
 
 class Engine:
@@ -461,7 +499,7 @@ class DDPEngine(DataParallelEngine):
         template = None
         for piece, is_last in pieces:
             if template is None:
-                template = self._template = zero_rows(piece)
+                template = self._template = padding_batch(piece)
             yield piece, is_last
             del piece
 

@@ -19,8 +19,8 @@ from skorch.utils import _check_f_arguments
 from skorch_gradacc.batching import (
     FSDP2_TORCH,
     cast_outputs,
+    padding_batch,
     uncompiled,
-    zero_rows,
 )
 from skorch_gradacc.distributed import (
     RankRandomStreamMixin,
@@ -233,7 +233,7 @@ class FullyShardedEngine(DataParallelEngine):
             more = current is not None and not current[1]
             if current is not None and template is None:
                 # the zero-row pass of this rank, and of after_error
-                template = self._template = zero_rows(current[0])
+                template = self._template = padding_batch(current[0])
             any_piece, any_more = self._agree(current is not None, more, None)
             if not any_piece:
                 return
@@ -284,7 +284,7 @@ class FullyShardedEngine(DataParallelEngine):
 
         It all-gathers and reduce-scatters with the other ranks' pass.
         """
-        run_empty_pass(zero_rows(piece))
+        run_empty_pass(padding_batch(piece))
 
     def after_error(self, run_empty_pass, size):
         """Run a zero-row pass for the failed one, and tell the other ranks.

@@ -40,6 +40,7 @@ from skorch_gradacc.counting import (
 from skorch_gradacc.engine import (
     DataParallelEngine,
     Engine,
+    PaddingMixin,
     engine_for,
     learnable_gradients,
 )
@@ -61,7 +62,7 @@ from skorch_gradacc.precision import PrecisionMixin
 __all__ = ['GradAccMixin']
 
 
-class GradAccMixin(PrecisionMixin):
+class GradAccMixin(PaddingMixin, PrecisionMixin):
     """Mixin class that adds exact gradient accumulation to a skorch net.
 
     Use it in front of one of skorch's net classes, e.g. ``class

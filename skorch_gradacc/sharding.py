@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from skorch_gradacc.batching import length_or_none, zero_rows
+from skorch_gradacc.batching import length_or_none, padding_batch
 from skorch_gradacc.grouping import END, MicroBatchGroup, full_steps
 
 __all__ = []
@@ -293,7 +293,7 @@ class ShardedMicroBatchGroups:
                         "than its length, {}; its sampler's __len__ must "
                         "match what it yields.".format(count))
                 if not template:
-                    template.append(zero_rows(micro))
+                    template.append(padding_batch(micro))
                 return micro
 
             stream = (_TO_LOAD if index % self.world_size == self.rank else _OTHER_RANKS
@@ -303,7 +303,7 @@ class ShardedMicroBatchGroups:
         def full():
             for index, micro in enumerate(itertools.islice(self.micro_batches, steps)):
                 if not template:
-                    template.append(zero_rows(micro))
+                    template.append(padding_batch(micro))
                 own = index % self.world_size == self.rank
                 yield micro if own else _OTHER_RANKS
                 del micro

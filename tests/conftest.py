@@ -51,6 +51,16 @@ class MLPClassifier(torch.nn.Module):
         return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
 
 
+class RowsNeededMLP(MLPClassifier):
+    """MLPClassifier that refuses a batch of zero rows, as a Hugging Face
+    model does (it reshapes its attention mask by the rows)."""
+
+    def forward(self, X):
+        if not len(X):
+            raise ValueError('cannot reshape tensor of 0 elements')
+        return super().forward(X)
+
+
 class NormalizedMLP(MLPClassifier):
     """MLPClassifier with a BatchNorm over its hidden layer."""
 

@@ -60,6 +60,7 @@ from conftest import (
     FirstIsBest,
     MLPClassifier,
     NormalizedMLP,
+    RowsNeededMLP,
     TemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
@@ -138,7 +139,9 @@ def test_the_launch_of_all_scenarios_succeeds(ddp):
 def test_rows_that_fill_no_whole_step_leave_a_rank_empty(ddp):
     ranks = ddp.ranks('samples')
     # 195 rows: 25 micro-batches of 8 rows but the last (3); 5 steps of 6
-    # micro-batches per epoch, the last of one: rank 1 trains on zero rows
+    # micro-batches per epoch, the last of one: rank 1 trains on zero rows,
+    # and predicts none of 5 rows, each time running its module (which
+    # refuses zero rows) on a real one
     assert [rank['steps'] for rank in ranks] == [2 * 5, 2 * 5]
     assert [rank['micro_batches'] for rank in ranks] == [2 * 13, 2 * 12]
     assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 195  # each row once
@@ -147,7 +150,12 @@ def test_rows_that_fill_no_whole_step_leave_a_rank_empty(ddp):
     for rank in ranks:  # no runtime state reaches get_params, and clone()
         before, after = rank['params_keys']
         assert before == after
-    assert_same_as_single_process(ranks, classifier(195))
+    net = classifier(195)
+    assert_same_as_single_process(ranks, net)
+    X, _ = classification_data(195)
+    for rank in ranks:
+        np.testing.assert_allclose(rank['proba'].numpy(), net.predict_proba(X[:5]),
+                                   rtol=0, atol=1e-12)
 
 
 def backoff_rows(rank):
@@ -407,7 +415,7 @@ def test_compiled_ddp_trains_saves_and_pickles_as_plain_skorch_compiled(ddp):
     assert saved.keys() == plain_state.keys()
     for rank in ranks:
         assert rank['wrappers'] == [
-            'OptimizedModule', 'DistributedDataParallel', 'MLPClassifier']
+            'OptimizedModule', 'DistributedDataParallel', 'RowsNeededMLP']
         assert rank['allreduces'] == rank['steps'] == 2 * 5
         assert rank['names'] == [name for name, _ in net.get_all_learnable_params()]
         np.testing.assert_allclose(rank['train_loss'], net.history[:, 'train_loss'],
@@ -471,13 +479,13 @@ def test_a_checkpoint_pickles_the_net_once_and_it_loads_anywhere(ddp):
     net = classifier(195).partial_fit(X, y, epochs=1)
     for rank in ranks:
         assert (rank['unpickled_module'], rank['resumed_module']) == (
-            'MLPClassifier', 'DistributedDataParallel')
+            'RowsNeededMLP', 'DistributedDataParallel')
         assert_params_equal(rank['params'], net)
         np.testing.assert_allclose(rank['train_loss'],
                                    net.history[:, 'train_loss'], rtol=1e-10)
     with open(ddp.folder('pickle') / 'net.pkl', 'rb') as f:
         loaded = pickle.load(f)
-    assert type(loaded.module_) is MLPClassifier
+    assert type(loaded.module_) is RowsNeededMLP
     assert len(loaded.history) == 3
     np.testing.assert_allclose(loaded.predict_proba(X), net.predict_proba(X),
                                rtol=0, atol=PARAM_ATOL)

@@ -384,6 +384,12 @@ def test_options_match_single_process(fsdp, oracle, scenario):
     assert_params_equal(torch.load(out / 'params.pt'), net)
     assert_losses_equal(ranks, net)
     if scenario == 'micro':
+        # the ranks' padding passes ran the module (which refuses zero
+        # rows) on real rows, in training and in prediction (one batch)
+        expected = net.predict_proba(classification_data(N_SAMPLES)[0][:8])
+        for rank in ranks:
+            np.testing.assert_allclose(rank['proba'].numpy(), expected, rtol=0,
+                                       atol=1e-12)
         # what get_loss recorded per piece is merged as the loss is: the
         # mean over the rank's pieces, weighted by their rows
         for rank in ranks:

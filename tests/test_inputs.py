@@ -1,5 +1,7 @@
 """Every input type that skorch accepts trains like the large-batch net."""
 
+import types
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -9,7 +11,7 @@ from skorch.callbacks import Callback
 from skorch.dataset import Dataset
 
 from skorch_gradacc import GradAccNeuralNet
-from skorch_gradacc.batching import take_rows
+from skorch_gradacc.batching import concat_outputs, take_rows
 
 from conftest import (
     DTYPE,
@@ -147,6 +149,34 @@ def test_model_outputs_reach_callbacks_as_model_outputs(clf_data):
     assert plain[0][0].__name__ == 'SequenceClassifierOutput'
     for (_, logits), (_, expected) in zip(ours, plain, strict=True):
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
+
+
+class CachingMLP(MLPClassifier):
+    """Returns a ModelOutput with a cache beside its logits, as a Hugging
+    Face language model does (``past_key_values``, with ``use_cache``)."""
+
+    def forward(self, X):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=super().forward(X),
+                                        attentions=types.SimpleNamespace(rows=len(X)))
+
+
+def test_an_output_that_is_no_tensor_joins_as_none(clf_data):
+    # validation in pieces (micro_batch_size) as plain skorch's in batches;
+    # the pieces' caches make none of the batch, kept where they are one
+    pytest.importorskip('transformers')
+    X, y = clf_data
+    acc_net, plain_net = make_nets(2, module=CachingMLP, criterion=NLLOfOutputs,
+                                   callbacks__valid_acc=None)  # skorch predicts tensors
+    acc_net.set_params(micro_batch_size=3)
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    check(acc_net, plain_net)
+    cache = types.SimpleNamespace(rows=5)
+    joined = concat_outputs([{'logits': torch.zeros(2), 'cache': cache}] * 2)
+    assert joined['cache'] is cache
+    assert concat_outputs([{'cache': cache}, {'cache': types.SimpleNamespace()}]
+                          ) == {'cache': None}
 
 
 def test_tuple_module_output(clf_data):

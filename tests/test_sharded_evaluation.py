@@ -58,11 +58,11 @@ def test_the_launch_of_all_engines_succeeds(launch):
 @pytest.mark.timeout(300)
 # evaluation passes per rank over one pass of the validation set: 5
 # rounds, or with micro_batch_size=3 (fsdp-micro) 3 pieces of each 7-row
-# batch and 2 in the last round, where rank 1 runs 2 zero-row passes, so
-# that FSDP's ranks gather parameters alike
-@pytest.mark.parametrize('engine, passes', [
-    ('ddp', 5), ('fsdp', 5), ('fsdp-micro', 4 * 3 + 2)])
-def test_evaluation_is_shared_and_exact(launch, engine, passes,
+# batch and 2 in the last round, where rank 1 runs 2 padding passes (one
+# with the others), so that FSDP's ranks gather parameters alike
+@pytest.mark.parametrize('engine, passes, padding', [
+    ('ddp', 5, 1), ('fsdp', 5, 1), ('fsdp-micro', 4 * 3 + 2, 2)])
+def test_evaluation_is_shared_and_exact(launch, engine, passes, padding,
                                         single_process):
     ranks = launch.ranks(engine, weights_only=False)
     net, predict, proba = single_process
@@ -77,7 +77,9 @@ def test_evaluation_is_shared_and_exact(launch, engine, passes,
         np.testing.assert_allclose(rank['predict_proba'], proba, rtol=1e-10)
     # 2 validations, 2 scorings without cache, predict, predict_proba: each
     # row once over the ranks; 9 batches (8 of 7 rows, one of 5) in 5 rounds
-    # of 2: rank 0 has batches 0, 2, 4, 6, 8 and rank 1 a zero-row pass last
-    assert ranks[0]['eval_rows'] + ranks[1]['eval_rows'] == 6 * N_VALID
-    assert ranks[1]['eval_rows'] == 6 * 4 * VALID_BATCH
+    # of 2: rank 0 has batches 0, 2, 4, 6, 8 and rank 1 pads last, running
+    # its module on 2 rows of the round's first batch (their outputs unused)
+    padding_rows = 6 * padding * 2
+    assert ranks[0]['eval_rows'] + ranks[1]['eval_rows'] == 6 * N_VALID + padding_rows
+    assert ranks[1]['eval_rows'] == 6 * 4 * VALID_BATCH + padding_rows
     assert ranks[0]['eval_passes'] == ranks[1]['eval_passes'] == 6 * passes

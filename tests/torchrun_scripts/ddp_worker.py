@@ -8,6 +8,8 @@ Accelerate's state lives as long as the process)
 
 * ``samples``: a classifier on 195 rows, ``batch_size=8``: 25
   micro-batches, the last of 3 rows, so rank 1 has none in the last step;
+  its module refuses zero rows (as in every scenario but a few); then
+  ``predict_proba`` of 5 rows, one batch;
 * ``shuffle``: 203 rows with ``iterator_train__shuffle=True``, and each
   rank seeded with its rank;
 * ``drop_last``: 203 rows with ``iterator_train__drop_last=True``: 25
@@ -98,6 +100,7 @@ from conftest import (
     FirstIsBest,
     MLPClassifier,
     NormalizedMLP,
+    RowsNeededMLP,
     TemperedNLL,
     classification_data,
 )
@@ -248,7 +251,8 @@ def make_net_and_data(scenario, rank, device):
             common.update(criterion=TemperedNLL,
                           callbacks=[CountsCriterionAllReduces()])
         return make_accelerated_net(**common), *classification_data(192)
-    module = FailingMLP if scenario == 'raise' and rank == 1 else MLPClassifier
+    # a module that refuses zero rows: a rank without rows runs a real one
+    module = FailingMLP if scenario == 'raise' and rank == 1 else RowsNeededMLP
     if scenario == 'batchnorm':
         module = NormalizedMLP
     if scenario in MAX_ROWS:
@@ -341,6 +345,9 @@ def run(scenario, out_dir, device):
                          net.history[:, 'batches', :, 'train_loss']],
         'batch_sizes': [[int(size) for size in sizes] for sizes in
                         net.history[:, 'batches', :, 'train_batch_size']],
+        # one batch: rank 1 pads
+        'proba': torch.as_tensor(net.predict_proba(X[:5])) if scenario == 'samples'
+        else None,
     }, out_dir)
 
 

@@ -20,7 +20,8 @@ after another, see worker_common.py)
   frozen one and a vector, and weight decay: the optimizer holds the
   criterion's parameters beside the shards;
 * ``micro``: ``samples`` with ``micro_batch_size=3``: the ranks' micro-batches
-  take different numbers of passes in the last step;
+  take different numbers of passes in the last step; its module refuses
+  zero rows; and ``predict_proba`` of 8 rows (one batch);
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
   module runs out of memory above 4 rows, armed after the plan (the first
   step's gradient): the plan was wrong;
@@ -90,6 +91,15 @@ def sequential_classifier():
         torch.nn.Linear(10, 16, dtype=DTYPE), torch.nn.Tanh(),
         torch.nn.Linear(16, 16, dtype=DTYPE), torch.nn.Tanh(),
         torch.nn.Linear(16, 3, dtype=DTYPE), torch.nn.Softmax(dim=-1))
+
+
+class RowsNeeded(torch.nn.Sequential):
+    """Refuses a batch of zero rows, as a Hugging Face model does."""
+
+    def forward(self, X):
+        if not len(X):
+            raise ValueError('cannot reshape tensor of 0 elements')
+        return super().forward(X)
 
 
 def normalized_classifier():
@@ -270,6 +280,7 @@ def make_net(scenario, max_epochs=2, X=None):
     module = {'batchnorm': normalized_classifier}.get(scenario, sequential_classifier)
     if scenario == 'micro':
         common['micro_batch_size'] = 3
+        module = lambda: RowsNeeded(*sequential_classifier())  # noqa: E731
     if scenario in MAX_ROWS:
         module = CappedClassifier
         common['micro_batch_size'] = 'auto'
@@ -335,7 +346,7 @@ def fit(scenario, out_dir):
         if scenario == 'plan':
             return refuse(net, X, y)
         net.partial_fit(X, y)
-        if scenario in ('bf16', 'fp16', 'batchnorm'):  # shared: on every rank
+        if scenario in ('bf16', 'fp16', 'batchnorm', 'micro'):  # shared: every rank
             net.proba_ = torch.as_tensor(net.predict_proba(
                 X if scenario == 'batchnorm' else X[:8]))
         return net
