@@ -51,14 +51,18 @@ class MLPClassifier(torch.nn.Module):
         return torch.softmax(self.output(torch.tanh(self.hidden(X))), dim=-1)
 
 
-class RowsNeededMLP(MLPClassifier):
-    """MLPClassifier that refuses a batch of zero rows, as a Hugging Face
-    model does (it reshapes its attention mask by the rows)."""
+class RefusesZeroRows:
+    """Put in front of a module: it refuses a batch of zero rows, as a
+    Hugging Face model does (it reshapes its attention mask by the rows)."""
 
     def forward(self, X):
         if not len(X):
             raise ValueError('cannot reshape tensor of 0 elements')
         return super().forward(X)
+
+
+class RowsNeededMLP(RefusesZeroRows, MLPClassifier):
+    """MLPClassifier that refuses a batch of zero rows."""
 
 
 class NormalizedMLP(MLPClassifier):

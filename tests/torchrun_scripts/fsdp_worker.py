@@ -73,7 +73,12 @@ from test_normalization import IGNORE, TokenTagger, token_data
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
 
-from conftest import DTYPE, ShiftedTemperedNLL, classification_data
+from conftest import (
+    DTYPE,
+    RefusesZeroRows,
+    ShiftedTemperedNLL,
+    classification_data,
+)
 
 BATCH_SIZE, ACC_STEPS, N_SAMPLES, N_TOKEN_SAMPLES = 8, 3, 195, 117
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
@@ -93,13 +98,8 @@ def sequential_classifier():
         torch.nn.Linear(16, 3, dtype=DTYPE), torch.nn.Softmax(dim=-1))
 
 
-class RowsNeeded(torch.nn.Sequential):
-    """Refuses a batch of zero rows, as a Hugging Face model does."""
-
-    def forward(self, X):
-        if not len(X):
-            raise ValueError('cannot reshape tensor of 0 elements')
-        return super().forward(X)
+class RowsNeeded(RefusesZeroRows, torch.nn.Sequential):
+    """A Sequential that refuses a batch of zero rows."""
 
 
 def normalized_classifier():
