@@ -140,7 +140,7 @@ def zero_rows(batch, n=None):
 
 
 class _PaddingDict(dict):
-    """The zero-row ``X`` of a padding batch given as a dict, with its row."""
+    """The zero-row ``X`` of a padding batch given as a dict, with its rows."""
 
     stand_in_ = None
 

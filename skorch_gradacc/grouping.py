@@ -41,6 +41,17 @@ def full_steps(micro_batches, count, per_step):
     return count
 
 
+def step_count(micro_batches, per_step):
+    """Return the steps of ``per_step`` micro-batches in ``micro_batches``.
+
+    Of its :func:`full_steps`, the last one short; a TypeError where it keeps
+    no length (:func:`~skorch_gradacc.batching.length_or_none`).
+    """
+    if (count := length_or_none(micro_batches)) is None:
+        raise TypeError('the training iterator has no length')
+    return math.ceil(full_steps(micro_batches, count, per_step) / per_step)
+
+
 class MicroBatchGroups:
     """Iterate over the groups of ``acc_steps`` micro-batches of an iterator.
 
@@ -82,10 +93,7 @@ class MicroBatchGroups:
 
     def __len__(self):
         """Return the number of groups, if the iterator has a length."""
-        if (count := length_or_none(self.micro_batches)) is None:
-            raise TypeError('the training iterator has no length')
-        count = full_steps(self.micro_batches, count, self.acc_steps)
-        return math.ceil(count / self.acc_steps)
+        return step_count(self.micro_batches, self.acc_steps)
 
     def __iter__(self):
         remaining = length_or_none(self.micro_batches)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from skorch_gradacc.batching import length_or_none, padding_batch
-from skorch_gradacc.grouping import END, MicroBatchGroup, full_steps
+from skorch_gradacc.grouping import END, MicroBatchGroup, full_steps, step_count
 
 __all__ = []
 
@@ -264,10 +264,7 @@ class ShardedMicroBatchGroups:
 
     def __len__(self):
         """Return the number of steps, the same on every rank."""
-        per_step = self.acc_steps * self.world_size
-        if (count := length_or_none(self.micro_batches)) is None:
-            raise TypeError('the training iterator has no length')
-        return math.ceil(full_steps(self.micro_batches, count, per_step) / per_step)
+        return step_count(self.micro_batches, self.acc_steps * self.world_size)
 
     def _streams(self):
         """Return the global stream of items, a loader and a template.
