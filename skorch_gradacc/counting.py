@@ -25,6 +25,7 @@ from skorch_gradacc.batching import (
     concat_outputs,
     n_ranks,
     split_batch,
+    take_rows,
     uncompiled,
     user_stacklevel,
 )
@@ -512,53 +513,59 @@ def _is_float(value):
 
 # The check that the loss is a mean over what is counted
 
-# the micro-batches the loss check tries before it gives up undecided
+# the micro-batches the loss check tries: one may happen to agree (its
+# pieces' rows in proportion to what a mean over other items counts), or be
+# undecided (no items, a loss that is not finite)
 LOSS_CHECK_TRIES = 3
 
 
 def check_loss_while_pending(net, piece, **fit_params):
     """Check the loss on ``piece`` while ``net.loss_check_pending_``.
 
-    A decided check ends it; an undecided one (no items, a loss that is not
-    finite) leaves one try fewer (:data:`LOSS_CHECK_TRIES` in a fit).
+    Each try leaves one fewer (:data:`LOSS_CHECK_TRIES` in a fit); a
+    warning, or a loss that cannot be checked, ends the check.
     """
     if getattr(net, 'loss_check_pending_', 0):
         checked = check_loss_is_mean(net, piece, **fit_params)
-        if checked is not None:  # a try: three forward passes
-            net.loss_check_pending_ = 0 if checked else net.loss_check_pending_ - 1
+        if checked is not None:  # a try: four forward passes
+            net.loss_check_pending_ = net.loss_check_pending_ - 1 if checked else 0
 
 
 def check_loss_is_mean(net, batch, **fit_params):
     """Warn if ``net``'s loss of ``batch`` is not a mean over its counted items.
 
-    Compares the loss of ``batch`` with the count-weighted mean of its two
-    halves' losses, in eval mode, without gradient and without side effects
-    (see :func:`snapshot_buffers`). Returns whether the check was decided:
-    False when its three passes cannot decide (no items, a loss that is not
-    finite); None, without a pass, for fewer than two rows; True,
-    unchecked, with several ranks and for batches that are not ``(X, y)``,
-    and with a warning where the passes raise (a ``train_step_single`` of
-    the user's that prepares ``X``, a module whose output in training
-    differs): the training pass shows the user's own errors.
+    Compares the loss of ``batch`` with the count-weighted mean of its
+    pieces' losses (its first row, and the halves of the rest: pieces of
+    unequal rows, whose counts seldom all stand in the same proportion to
+    their rows), in eval mode, without gradient and without side effects
+    (see :func:`snapshot_buffers`). Returns whether the check goes on:
+    False after a warning, with several ranks and for batches that are
+    not ``(X, y)`` (unchecked), and with a warning where the passes raise
+    (a ``train_step_single`` of the user's that prepares ``X``, a module
+    whose output in training differs): the training pass shows the user's
+    own errors. True where the loss agrees, or its passes cannot decide (no
+    items, a loss that is not finite); None, without a pass, for fewer than
+    two rows.
     """
     if n_ranks() > 1:
-        return True  # each rank's forward may take part in collectives
+        return False  # each rank's forward may take part in collectives
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        return True  # trained by the user's own train_step_single
+        return False  # trained by the user's own train_step_single
     rows = batch_len(batch)
     if rows < 2:
         return None
-    halves = [batch] + split_batch(batch, (rows + 1) // 2)
+    rest = take_rows(batch, slice(1, None))
+    pieces = [batch, take_rows(batch, slice(1))] + split_batch(rest, rows // 2)
     valid = ItemCounts(name='count_loss_items(batch)').check  # as training
-    counts = [valid(net.count_loss_items(half)) for half in halves]
+    counts = [valid(net.count_loss_items(piece)) for piece in pieces]
     counts = [None if count is None else float(count) for count in counts]
     try:
         # the user sees the warnings of the training passes, not these
         with _without_side_effects(net), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter('ignore')
             losses = []
-            for half in halves:
-                Xi, yi = unpack_data(half)
+            for piece in pieces:
+                Xi, yi = unpack_data(piece)
                 y_pred = net.infer(Xi, **fit_params)
                 loss = net.get_loss(y_pred, yi, X=Xi, training=True)
                 losses.append(float(loss))
@@ -574,25 +581,23 @@ def check_loss_is_mean(net, batch, **fit_params):
             "train_step_single or the module's training output differs on "
             "purpose.".format(type(error).__name__, error), LossItemsWarning,
             stacklevel=user_stacklevel())
-        return True
+        return False
     whole = losses[0]
     expected = weighted_mean(zip(counts[1:], losses[1:]))
     if expected is None:
-        return False
+        return True
     scale = max(abs(whole), abs(expected))
     error = abs(whole - expected) / scale if scale else 0.0
     dtype = loss.dtype if loss.is_floating_point() else torch.float32
-    if not math.isfinite(error):
-        return False
-    if error <= max(1e-10, 1e3 * torch.finfo(dtype).eps):
+    if not math.isfinite(error) or error <= max(1e-10, 1e3 * torch.finfo(dtype).eps):
         return True
     warnings.warn(
         "The loss is not a mean over what count_loss_items counts: {:.6g} on "
-        "{} rows, {:.6g} from its halves (relative difference {:.2g}). Make "
+        "{} rows, {:.6g} from its pieces (relative difference {:.2g}). Make "
         "it one, override count_loss_items (None for a sum), or set "
         "check_loss=False.".format(whole, rows, expected, error),
         LossItemsWarning, stacklevel=user_stacklevel())
-    return True
+    return False
 
 
 def net_modules(net):
@@ -654,7 +659,11 @@ def restore_buffers(snapshot):
 
 
 class _without_side_effects:
-    """Eval mode inside; modes, buffers and RNG states as before after."""
+    """Eval mode inside; modes, buffers, RNG states and the row as before after.
+
+    The row: the history's training row of the step, where ``get_loss``
+    may record (skorch's ``record_batch``).
+    """
 
     def __init__(self, net):
         self.net = net
@@ -667,6 +676,8 @@ class _without_side_effects:
                     np.random.get_state())
         self.cuda_rng = (torch.cuda.get_rng_state_all()
                          if torch.cuda.is_initialized() else None)
+        self.row = self.net._current_batch_row()
+        self.recorded = None if self.row is None else dict(self.row)
         self.net._set_training(False)
         return self
 
@@ -679,4 +690,7 @@ class _without_side_effects:
         np.random.set_state(self.rng[2])
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self.row is not None:
+            self.row.clear()
+            self.row.update(self.recorded)
         return False

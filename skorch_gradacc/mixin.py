@@ -110,10 +110,10 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
       steps and updates once per group.
 
     check_loss : bool (default=True)
-      Check once in a fit from scratch that trains in groups, with three
-      forward passes of a piece and its halves, that the loss is a mean over
-      what :meth:`~skorch_gradacc.GradAccMixin.count_loss_items` counts;
-      else warn with a :class:`~skorch_gradacc.LossItemsWarning`.
+      Check on the first 3 pieces of a fit from scratch that trains in
+      groups, with four forward passes of each and its pieces, that the loss
+      is a mean over what :meth:`~skorch_gradacc.GradAccMixin.count_loss_items`
+      counts; else warn with a :class:`~skorch_gradacc.LossItemsWarning`.
 
     Attributes
     ----------

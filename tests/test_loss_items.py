@@ -291,11 +291,11 @@ class SlightlyOff(GradAccNeuralNetRegressor):
 
 def test_a_float64_loss_off_by_a_millionth_warns():
     # float64's tolerance, not float32's (1e3 * eps, 1.2e-4): 16 rows and
-    # their halves of 8 differ by 8 * 1.25e-7
+    # their pieces of 1, 8 and 7 differ by (16 - (1 + 64 + 49) / 16) * 1.25e-7
     X, y = regression_data(64)
     net = SlightlyOff(Regressor, batch_size=16, acc_steps=2, max_epochs=1,
                       verbose=0, train_split=None)
-    with pytest.warns(LossItemsWarning, match=r'relative difference 1e-06\)'):
+    with pytest.warns(LossItemsWarning, match=r'relative difference 1.1e-06\)'):
         net.fit(X, y)
 
 
@@ -311,27 +311,29 @@ def test_a_first_micro_batch_of_one_row_leaves_the_check_to_the_next():
         net.fit(X, y)
 
 
-class CountingNaN(torch.nn.Module):
-    """A regressor whose output, and so loss, is NaN; counts its forward
-    calls."""
+class CountingLinear(torch.nn.Module):
+    """A regressor that counts its forward calls; its output NaN if ``nan``."""
 
-    def __init__(self):
+    def __init__(self, nan=False):
         super().__init__()
         self.linear = torch.nn.Linear(10, 1, dtype=DTYPE)
-        self.calls = 0
+        self.nan, self.calls = nan, 0
 
     def forward(self, X):
         self.calls += 1
-        return self.linear(X) * np.nan
+        return self.linear(X) * (np.nan if self.nan else 1.0)
 
 
-def test_the_check_gives_up_after_three_undecided_tries():
-    # each try is three forward passes: the micro-batch and its halves
+@pytest.mark.parametrize('nan', [True, False], ids=['undecided', 'agreeing'])
+def test_the_check_tries_three_micro_batches(loss_check_errors, nan):
+    # each try is four forward passes: the micro-batch and its pieces; one
+    # that agrees may do so by chance, one with a NaN loss cannot tell
     X, y = regression_data(64)
-    net = GradAccNeuralNetRegressor(CountingNaN, batch_size=8, acc_steps=2,
-                                    max_epochs=2, verbose=0, train_split=None)
+    net = GradAccNeuralNetRegressor(CountingLinear, module__nan=nan, batch_size=8,
+                                    acc_steps=2, max_epochs=2, verbose=0,
+                                    train_split=None)
     net.fit(X, y)
-    assert net.module_.calls == 2 * 8 + 3 * 3
+    assert net.module_.calls == 2 * 8 + 3 * 4
     assert not net.loss_check_pending_
 
 
@@ -366,6 +368,53 @@ def test_counting_rows_of_a_token_loss_warns():
     with pytest.warns(LossItemsWarning, match='not a mean'):
         fit_seeded(acc_net, X, y)
 
+
+class RowsNet(GradAccNeuralNet):
+    """Counts rows: wrong for a mean over tokens, unless rows hold as many."""
+
+    def count_loss_items(self, batch):
+        return len(batch[0])
+
+
+def tokens_of_lengths(lengths, seed=0):
+    """``token_data`` whose rows have ``lengths`` labeled tokens."""
+    X, y = token_data(len(lengths), seed=seed)
+    y = np.roll(X, -1, axis=1)
+    y[np.arange(y.shape[1])[None, :] >= np.asarray(lengths)[:, None]] = IGNORE
+    return X, y
+
+
+@pytest.mark.parametrize('lengths', [
+    [1, 3, 2, 2] + [7] * 80,  # its halves of 2 rows hold 4 tokens each
+    [7] * 8 + [7, 1, 4, 2] * 20,  # the first two micro-batches are full
+], ids=['halves-agree', 'full-first'])
+def test_counting_rows_of_a_token_loss_warns_where_the_first_halves_agree(lengths):
+    # the first micro-batch, or its halves, cannot tell rows from tokens:
+    # its pieces of unequal rows, or the next micro-batches, do
+    X, y = tokens_of_lengths(lengths)
+    acc_net, _ = token_nets(RowsNet)
+    with pytest.warns(LossItemsWarning, match='not a mean'):
+        acc_net.set_params(iterator_train__shuffle=False).fit(X, y)
+
+
+class RecordsGetLoss(GradAccNeuralNetRegressor):
+    """Records in the step's row how often ``get_loss`` ran in training."""
+
+    def get_loss(self, y_pred, y_true, *args, training=False, **kwargs):
+        if training:
+            row = self.history[-1]['batches'][-1]
+            self.history.record_batch('calls', row.get('calls', 0) + 1)
+        return super().get_loss(y_pred, y_true, *args, training=training, **kwargs)
+
+
+def test_the_checks_passes_leave_the_history_row_as_it_was():
+    X, y = regression_data(64)
+    nets = [fit_seeded(RecordsGetLoss(
+        torch.nn.Linear, module__in_features=10, module__out_features=1,
+        module__dtype=DTYPE, batch_size=8, acc_steps=2, max_epochs=1, verbose=0,
+        train_split=None, check_loss=check_loss), X, y) for check_loss in [False, True]]
+    unchecked, checked = (net.history[:, 'batches', :, 'calls'] for net in nets)
+    assert checked == unchecked == [[2, 2, 2, 2]]
 
 class WithPenalty(GradAccNeuralNetRegressor):
     """A module-level penalty: the same for any batch."""
