@@ -69,7 +69,7 @@ class AccumulationScheduler(Callback):
     def on_epoch_begin(self, net, **kwargs):
         """Set and record the ``acc_steps`` of the epoch that begins."""
         epoch = len(net.history)  # the net has already opened this epoch
-        acc_steps = self._acc_steps_for(epoch, net.acc_steps)
+        acc_steps = self._acc_steps_for(epoch, net.get_acc_steps())
         self._check(epoch, acc_steps)
         net.acc_steps_ = int(acc_steps)
         net.history.record('acc_steps', net.acc_steps_)

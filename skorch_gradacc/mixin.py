@@ -235,16 +235,18 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
     def get_acc_steps(self):
         """Return the ``acc_steps`` in force for the current epoch.
 
-        ``acc_steps``, unless an :class:`~skorch_gradacc.AccumulationScheduler`
-        set ``acc_steps_`` for this epoch.
+        ``acc_steps`` as the fit began (``set_params`` in a fit waits for the
+        next, as ``batch_size`` does), unless an
+        :class:`~skorch_gradacc.AccumulationScheduler` set ``acc_steps_``
+        for this epoch.
         """
         scheduled = getattr(self, 'acc_steps_', None)
         return self.acc_steps if scheduled is None else scheduled
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
-        """Forget a schedule's ``acc_steps``; a fit from scratch checks its loss."""
+        """Take the fit's ``acc_steps``; a fit from scratch checks its loss."""
         super().on_train_begin(net, X=X, y=y, **kwargs)
-        self.acc_steps_ = None
+        self.acc_steps_ = self.acc_steps
         self.loss_check_pending_ = LOSS_CHECK_TRIES if (
             self.check_loss and not len(self.history)) else 0
         warn_of_batch_norm(self)

@@ -3,11 +3,11 @@ plain net whose batch size follows the same schedule."""
 
 import pytest
 import torch
-from skorch.callbacks import LRScheduler, ProgressBar
+from skorch.callbacks import Callback, LRScheduler, ProgressBar
 
 from skorch_gradacc import AccumulationScheduler, GradAccNeuralNetClassifier
 
-from conftest import PARAM_ATOL, MLPClassifier, make_nets
+from conftest import PARAM_ATOL, MLPClassifier, fit_seeded, make_nets, max_param_diff
 
 SCHEDULE = {1: 1, 2: 4, 4: 2}  # epochs 1, 2-3, 4-5
 
@@ -90,3 +90,29 @@ def test_bad_schedules_fail_before_training(clf_data, schedule, message):
     with pytest.raises(ValueError, match=message):
         net.fit(*clf_data)
     assert len(net.history) == 0
+
+
+class SetsParamsAfterEpochOne(Callback):
+    """Calls ``net.set_params(**params)`` at the end of the first epoch."""
+
+    def __init__(self, **params):
+        self.params = params
+
+    def on_epoch_end(self, net, **kwargs):
+        if len(net.history) == 1:
+            net.set_params(**self.params)
+
+
+def test_acc_steps_set_in_a_fit_waits_for_the_next_as_batch_size_does(clf_data):
+    # plain skorch builds its iterator once per fit: a batch_size set in
+    # the fit takes effect in the next; so does acc_steps
+    acc_net, plain = make_nets(4, max_epochs=3, train_split=None, callbacks=[
+        ('set', SetsParamsAfterEpochOne())])
+    acc_net.set_params(callbacks__set__params={'acc_steps': 2})
+    plain.set_params(callbacks__set__params={'batch_size': 16})
+    fit_seeded(acc_net, *clf_data), fit_seeded(plain, *clf_data)
+    assert acc_net.history[:, 'train_batch_count'] == [7, 7, 7]  # ceil(26 / 4)
+    assert plain.history[:, 'train_batch_count'] == [7, 7, 7]
+    assert max_param_diff(acc_net, plain) < PARAM_ATOL
+    fit_seeded(acc_net, *clf_data)  # acc_steps=2 from its start
+    assert acc_net.history[:, 'train_batch_count'] == [13, 13, 13]
