@@ -87,7 +87,7 @@ READABLE = frozenset({'X', 'y', 'y_pred'})
 BATCH_METHODS = ('on_batch_begin', 'on_grad_computed', 'on_batch_end')
 
 UNDECLARED_READS_MESSAGE = (
-    "{net} keeps whole training groups for callback {name!r} ({cls}): it "
+    "{net} keeps whole training groups for {reader}: it "
     "overrides {methods} without declaring what it reads, so memory grows "
     "with acc_steps. Declare it in its class: train_batch_reads = () for "
     "nothing, or e.g. ('y_pred',).")
@@ -109,8 +109,9 @@ def _own_batch_methods(cls):
 
 
 def _is_skorchs(klass):
-    """Whether ``klass`` is one of skorch's callbacks (or its base class)."""
-    return klass.__module__.startswith('skorch.callbacks')
+    """Whether ``klass`` is skorch's callback or net, or this package's."""
+    return klass.__module__.startswith((
+        'skorch.callbacks', 'skorch.net', 'skorch_gradacc.'))
 
 
 def _effective_caching(net, callback):
@@ -166,13 +167,15 @@ def callback_reads(net, callback):
 
 
 def train_batch_reads(net, callbacks):
-    """Return what ``callbacks`` read of a training batch, and when.
+    """Return what ``callbacks`` and the net's own hooks read, and when.
 
-    The union of :func:`callback_reads`. Warns once per net and callback
-    name about a callback that reads undeclared, so gets the whole group.
+    The union of :func:`callback_reads`; skorch calls a net's batch
+    methods as a callback's, so a net class that overrides them reads as
+    one. Warns once per net and callback name about one that reads
+    undeclared, so gets the whole group.
     """
     reads, at_begin = set(), False
-    for name, callback in callbacks:
+    for name, callback in [(None, net)] + list(callbacks):
         cls = type(callback)
         cb_reads, cb_at_begin = callback_reads(net, callback)
         reads |= cb_reads
@@ -182,9 +185,9 @@ def train_batch_reads(net, callbacks):
                 and name not in net.undeclared_reads_warned_):
             net.undeclared_reads_warned_.add(name)
             warnings.warn(UNDECLARED_READS_MESSAGE.format(
-                net=type(net).__name__, name=name, cls=cls.__name__,
-                methods=' and '.join(methods)), UserWarning,
-                stacklevel=user_stacklevel())
+                net=type(net).__name__, methods=' and '.join(methods),
+                reader='its own methods' if name is None else 'callback {!r} ({})'
+                .format(name, cls.__name__)), UserWarning, stacklevel=user_stacklevel())
     return reads, at_begin
 
 

@@ -191,7 +191,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
     def initialize_callbacks(self):
         """Initialize the callbacks; a bad ``train_batch_reads`` raises."""
         super().initialize_callbacks()
-        for _, cb in self.callbacks_:
+        for cb in [self] + [cb for _, cb in self.callbacks_]:  # the net's hooks too
             callback_reads(self, cb)
         return self
 

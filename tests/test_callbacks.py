@@ -285,6 +285,41 @@ class TestBatchReads:
             acc_net.initialize()
 
 
+    class CountsHits:
+        """A net's own on_batch_end that scores the training batch."""
+
+        def on_batch_end(self, net, batch=None, y_pred=None, training=False,
+                         **kwargs):
+            super().on_batch_end(net, batch=batch, y_pred=y_pred,
+                                 training=training, **kwargs)
+            if training:
+                hits = (y_pred.argmax(1) == batch[1]).sum()
+                self.history.record_batch('hits', int(hits))
+
+    def test_a_nets_own_batch_method_reads_as_a_callback(self, clf_data):
+        # skorch's notify calls the net's own on_batch_end with the batch
+        acc_net, plain_net = make_nets(4)
+        Acc = type('Acc', (self.CountsHits, GradAccNeuralNetClassifier), {})
+        Plain = type('Plain', (self.CountsHits, NeuralNetClassifier), {})
+        acc_net = Acc(**acc_net.get_params())
+        plain_net = Plain(**plain_net.get_params())
+        with pytest.warns(UserWarning, match='training groups for its own '
+                          'methods: it overrides on_batch_end'):
+            fit_seeded(acc_net, *clf_data)
+        fit_seeded(plain_net, *clf_data)
+        assert acc_net.history[:, 'batches', :, 'hits'] == plain_net.history[
+            :, 'batches', :, 'hits']
+        Declared = type('Declared', (Acc,), {'train_batch_reads': ('y', 'y_pred')})
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            declared = fit_seeded(Declared(**acc_net.get_params()), *clf_data)
+        assert declared.history[:, 'batches', :, 'hits'] == plain_net.history[
+            :, 'batches', :, 'hits']
+        Bad = type('Bad', (Acc,), {'train_batch_reads': 'y_pred'})
+        with pytest.raises(ValueError, match="Bad.train_batch_reads must be"):
+            Bad(**acc_net.get_params()).initialize()
+
+
 class SAM(torch.optim.SGD):
     """A sharpness-aware step: the closure is evaluated twice, at the
     parameters and at a point perturbed along the gradient."""
@@ -346,5 +381,5 @@ def test_memory_page_gives_the_warnings_words():
     page = Path(__file__).parent.parent / 'docs' / 'memory_and_robustness.rst'
     text = ' '.join(page.read_text().split())
     assert UNDECLARED_READS_MESSAGE.format(
-        net='MyNet', name='log', cls='LogShapes',
+        net='MyNet', reader="callback 'log' (LogShapes)",
         methods='on_batch_end') in text
