@@ -265,6 +265,11 @@ class AccumGrad(torch.optim.Optimizer):
             self._update()
 
     def _update(self):
+        if self._counted and not self._grads() and not float(self._counts.total):
+            # a group of 0 counts whose backward passes were left out: the
+            # large batch's backward, every target ignored, gives zeros
+            for param in (p for group in self.param_groups for p in group['params']):
+                param.grad = torch.zeros_like(param) if param.requires_grad else None
         if self.reduction == 'mean':
             self._counts.normalize()
         if self.grad_scaler is None:
@@ -311,9 +316,14 @@ class AccumGrad(torch.optim.Optimizer):
         Parameters
         ----------
         state_dict : dict
-          The result of :meth:`state_dict`.
+          The result of :meth:`state_dict`, or of the wrapped optimizer's
+          class (a loop without accumulation): a group starts.
 
         """
+        if 'optimizer' not in state_dict:  # a plain optimizer's, between steps
+            self.optimizer.load_state_dict(state_dict)
+            self._start_group()
+            return
         if state_dict['position'] >= self.acc_steps:
             raise ValueError(
                 "state_dict is at micro-batch {} of its group, which does not "

@@ -282,6 +282,25 @@ class TestZeroCounts:
         assert max_diff(*snapshots) > 1e-3
         assert max_diff(model, large) <= PARAM_ATOL
 
+    @pytest.mark.parametrize('name', ['sgd_momentum', 'adam'])
+    def test_a_group_without_items_whose_backward_is_left_out_steps_too(self, name):
+        # set_count(0) allows leaving the backward out; in a group of none
+        # but such micro-batches the large batch still steps, on zeros
+        X, y = token_data()
+        large, _ = large_batch(X, y, 12, OPTIMIZERS[name])
+        model = make_model()
+        opt = AccumGrad(OPTIMIZERS[name](model.parameters()), 3)
+        for Xb, yb in zip(X.split(4), y.split(4)):
+            opt.zero_grad()
+            opt.set_count(int((yb != -100).sum()))
+            if (yb != -100).any():
+                loss_fn(model, Xb, yb).backward()
+            opt.step()
+        assert opt.stepped and (y[36:] == -100).all()
+        assert opt.state[model[0].weight]['step' if name == 'adam' else
+                                           'momentum_buffer'] is not None
+        assert max_diff(model, large) <= PARAM_ATOL
+
     @pytest.mark.parametrize('count_kind', COUNT_KINDS, indirect=True)
     def test_a_group_without_items_keeps_the_gradient_its_losses_gave(
             self, count_kind):
@@ -769,6 +788,23 @@ class TestStateDict:
             param.grad = grad
         self.run(X, y, fresh, fresh_opt, slice(5, None))
         assert max_diff(fresh, large) <= PARAM_ATOL
+
+    def test_a_plain_optimizers_state_resumes_at_a_group_boundary(self):
+        # a checkpoint of a loop without accumulation, at its step 2
+        X, y = make_data(48)
+        large, _ = large_batch(X, y, 12, OPTIMIZERS['adam'])
+        model = make_model()
+        plain = OPTIMIZERS['adam'](model.parameters())
+        for Xb, yb in list(zip(X.split(12), y.split(12)))[:2]:
+            plain.zero_grad()
+            loss_fn(model, Xb, yb).backward()
+            plain.step()
+        opt = AccumGrad(OPTIMIZERS['adam'](model.parameters()), 3)
+        self.run(X, y, model, opt, slice(0, 1))  # a group begun: it starts anew
+        opt.load_state_dict(copy.deepcopy(plain.state_dict()))
+        assert opt.position == 0
+        self.run(X, y, model, opt, slice(6, None))
+        assert max_diff(model, large) <= PARAM_ATOL
 
     def test_position_must_fit_acc_steps(self):
         model = make_model()
