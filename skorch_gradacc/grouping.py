@@ -116,6 +116,19 @@ class MicroBatchGroups:
             del first  # the group holds it until it has been trained on
             yield group
             group.skip_rest()
+        read_to_the_end(source)
+
+
+def read_to_the_end(source):
+    """Pull what is left of a training iterator, as skorch's loop does.
+
+    skorch reads the large batch's loader to its end, where its sampler may
+    draw (``RandomSampler`` with a ``generator`` permutes once more): the
+    next epoch's order follows. What is left (a short step that
+    ``drop_last`` drops) is loaded and freed, one micro-batch at a time.
+    """
+    for _ in source:
+        pass
 
 
 class MicroBatchGroup:

@@ -22,7 +22,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from skorch_gradacc.batching import length_or_none, padding_batch
-from skorch_gradacc.grouping import END, MicroBatchGroup, full_steps, step_count
+from skorch_gradacc.grouping import (
+    END,
+    MicroBatchGroup,
+    full_steps,
+    read_to_the_end,
+    step_count,
+)
 
 __all__ = []
 
@@ -293,17 +299,23 @@ class ShardedMicroBatchGroups:
                     template.append(padding_batch(micro))
                 return micro
 
-            stream = (_TO_LOAD if index % self.world_size == self.rank else _OTHER_RANKS
-                      for index in range(steps))
-            return stream, load, template
+            def stream():
+                for index in range(steps):
+                    yield _TO_LOAD if index % self.world_size == self.rank else (
+                        _OTHER_RANKS)
+                read_to_the_end(own)  # as every rank's sampler
+
+            return stream(), load, template
 
         def full():
-            for index, micro in enumerate(itertools.islice(self.micro_batches, steps)):
+            source = iter(self.micro_batches)
+            for index, micro in enumerate(itertools.islice(source, steps)):
                 if not template:
                     template.append(padding_batch(micro))
                 own = index % self.world_size == self.rank
                 yield micro if own else _OTHER_RANKS
                 del micro
+            read_to_the_end(source)
 
         return full(), None, template
 

@@ -689,6 +689,37 @@ def test_a_streams_length_is_no_limit_over_ranks_when_workers_split_it(tmp_path)
     assert net.history[-1, 'batches', :, 'train_batch_size'] == [32, 32, 32, 5]
 
 
+class LoaderOfItsOwn(torch.utils.data.DataLoader):
+    """A DataLoader subclass: read whole by every rank, not sharded."""
+
+
+@pytest.mark.parametrize('loader', [torch.utils.data.DataLoader, LoaderOfItsOwn])
+def test_a_loaders_own_generator_shuffles_as_the_large_batchs_over_ranks(
+        tmp_path, loader):
+    # as in one process: each rank reads its loader to its end, where
+    # RandomSampler permutes once more with the generator given
+    X, y = classification_data(200)
+    params = dict(max_epochs=3, train_split=None, verbose=0, iterator_train=loader,
+                  iterator_train__shuffle=True)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(MLPClassifier, batch_size=4, acc_steps=4, **params,
+                            iterator_train__generator=torch.Generator().manual_seed(5))
+        net.fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(
+        MLPClassifier, batch_size=16, **params,
+        iterator_train__generator=torch.Generator().manual_seed(5)).fit(X, y)
+    np.testing.assert_allclose(net.history[:, 'train_loss'],
+                               plain.history[:, 'train_loss'], rtol=1e-10)
+    for key, value in plain.module_.state_dict().items():
+        torch.testing.assert_close(net.module_.module.state_dict()[key], value, rtol=0,
+                                   atol=PARAM_ATOL)
+
 def test_a_0d_output_reaches_callbacks_whole_over_ranks(tmp_path):
     # not per row: each rank's share of the step keeps it whole, and the
     # shares join into their mean, weighted by rows, as in one process

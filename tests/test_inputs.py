@@ -19,6 +19,7 @@ from conftest import (
     MLPClassifier,
     MLPRegressor,
     assert_same_history,
+    classification_data,
     fit_pair,
     fit_seeded,
     make_nets,
@@ -399,3 +400,18 @@ def test_batches_of_three_values(clf_data):
         torch.manual_seed(0)
         net.fit(WeightedDataset(X, y, weight), None)
     check(acc_net, plain_net)
+
+
+@pytest.mark.parametrize('rows, drop_last', [(200, False), (203, True)])
+def test_a_loaders_own_generator_shuffles_as_the_large_batchs(rows, drop_last):
+    # skorch reads the loader to its end, where RandomSampler permutes once
+    # more with the generator given: the next epoch's order follows from it
+    # (200 rows: micro-batches of 4 end before the sampler does)
+    X, y = classification_data(rows)
+    nets = make_nets(4, batch_size=4, train_split=None, iterator_train__shuffle=True,
+                     iterator_train__drop_last=drop_last)
+    for net in nets:
+        net.set_params(iterator_train__generator=torch.Generator().manual_seed(5))
+        fit_seeded(net, X, y)
+    assert max_param_diff(*nets) < PARAM_ATOL
+    assert_same_history(*nets)
