@@ -185,6 +185,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         # so a bad value set after initialization is caught here, before any
         # training happens.
         check_grad_acc_params(self)
+        check_accelerate(self, GradAccMixin)
 
     # Initialization
 
@@ -203,12 +204,13 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
                 self, cb_kwargs.get('dataset_train'),
                 self.get_acc_steps() * self.get_engine().world_size)
 
-    def initialize(self):
-        """Initialize the net; ``micro_batch_size='auto'`` starts afresh."""
+    def initialize_virtual_params(self):
+        """Initialize virtual params, and ``'auto'``'s plan and fp16's scaler anew."""
+        # the first step of skorch's initialize, and of AccelerateMixin's copy
         self.micro_batch_size_ = None
         self.memory_plan_ = self._plan_verify_ = None
         self.grad_scaler_ = None
-        return super().initialize()
+        return super().initialize_virtual_params()
 
     def fit(self, X, y=None, **fit_params):
         """Fit as skorch does; ``'auto'`` measures memory from here."""

@@ -6,6 +6,8 @@ iterators. The last test documents what skorch 1.4's own route
 (``Accelerator(gradient_accumulation_steps=k)``) computes instead.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -152,3 +154,30 @@ def test_step_options_with_accelerate_are_refused(kwargs):
         "AcceleratedGradAccNet (got mixed_precision={!r}, skip_nonfinite={!r}) "
         "and use the accelerator's mixed_precision option instead.".format(
             kwargs.get('mixed_precision'), kwargs.get('skip_nonfinite', False)))
+
+
+def test_auto_plans_under_the_accelerator(clf_data):
+    # AccelerateMixin's initialize is a copy of skorch's; the plan's state
+    # starts in its first step, as in skorch's
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4)
+    params = dict(acc_net.get_params(), micro_batch_size='auto', memory_budget='1GiB')
+    params.pop('device')
+    acc_net = AcceleratedGradAccNet(accelerator=accelerator(), **params)
+    fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
+    assert acc_net.memory_plan_['measured_peak'] is not None
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
+
+
+def test_an_accelerator_that_came_to_accumulate_is_refused_before_training(clf_data):
+    # Accelerate keeps one accumulation state per process: a second
+    # Accelerator changes the first's gradient_accumulation_steps
+    net = AcceleratedGradAccNet(MLPClassifier, accelerator=accelerator(), acc_steps=2,
+                                max_epochs=1, verbose=0).initialize()
+    before = copy.deepcopy(net.module_.state_dict())
+    accelerator(4)
+    with pytest.raises(ValueError, match=r'gradient_accumulation_steps=4\)'):
+        net.partial_fit(*clf_data)
+    for key, value in net.module_.state_dict().items():
+        assert torch.equal(value, before[key]), key
