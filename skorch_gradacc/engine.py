@@ -290,8 +290,7 @@ class DataParallelEngine(Engine):
         total, loss, rows = values
         self._sum_other_gradients(net)
         self._broadcast_buffers(net)
-        if hasattr(group, 'global_rows'):
-            group.global_rows = rows
+        group.global_rows = rows  # train_batch_size: the large batch's
         # the summed gradient over all ranks is in units of 1, or of the
         # unit the ranks share; no host sync; with no item on any rank, the
         # gradient is left as it is (zero)

@@ -179,6 +179,11 @@ class MicroBatchGroup:
       (:meth:`~skorch_gradacc.engine.Engine.share_step`): what the group
       gives then.
 
+    global_rows : int, torch.Tensor or None
+      The step's rows over all ranks, once the step is done (set by a
+      data-parallel engine), so that skorch's history records the large
+      batch's ``train_batch_size``: then the group's length.
+
     """
 
     def __init__(self, first, source, size, keep=False, keep_targets=False):
@@ -194,6 +199,7 @@ class MicroBatchGroup:
         self.rows_in_flight = 0
         self.micro_rows = []
         self.shared = None
+        self.global_rows = None
         self._exhausted = False
 
     def _pull(self):
@@ -277,6 +283,8 @@ class MicroBatchGroup:
         raise RuntimeError(_RELEASED_MESSAGE)
 
     def __len__(self):
+        if self.global_rows is not None:
+            return int(self.global_rows)
         if self.keep:
             self.skip_rest()  # the whole group is kept anyway
         return self.n_rows

@@ -180,32 +180,13 @@ class ShardedGroup(MicroBatchGroup):
     """The micro-batches of one data-parallel step on this rank.
 
     A :class:`~skorch_gradacc.grouping.MicroBatchGroup` whose last
-    micro-batch is known by looking ahead in the shared stream, and whose
-    length, once the step is done, is the number of rows of the step over
-    all ranks (set by the gradient synchronization), so that skorch's
-    history records the large batch's ``train_batch_size``. A rank without
-    a micro-batch in the step has a single zero-row one.
-
-    Attributes
-    ----------
-    global_rows : int, torch.Tensor or None
-      The step's rows over all ranks, once known.
-
+    micro-batch is known by looking ahead in the shared stream. A rank
+    without a micro-batch in the step has a single zero-row one.
     """
-
-    def __init__(self, first, source, size, keep=False, keep_targets=False):
-        super().__init__(first, source, size, keep=keep,
-                         keep_targets=keep_targets)
-        self.global_rows = None
 
     def is_last(self, index):
         """Whether micro-batch ``index`` is this rank's last in the step."""
         return self._source.at_end() and index == self.n_micro_batches - 1
-
-    def __len__(self):
-        if self.global_rows is not None:
-            return int(self.global_rows)
-        return super().__len__()
 
 
 class ShardedMicroBatchGroups:

@@ -530,14 +530,17 @@ def test_a_failing_rank_does_not_hang(tmp_path):
 def test_accelerate_mixin_under_torchrun(ddp):
     pytest.importorskip('accelerate')
     ranks = ddp.ranks('accelerate')
-    # 192 samples: the prepared loader hands the batches of 8 rows to the
-    # ranks in turn, 12 per rank and epoch: 4 steps of 3
+    # 188 samples: the prepared loader (even_batches=False) hands the
+    # batches of 8 rows to the ranks in turn, 12 per rank and epoch: 4 steps
+    # of 3, the last of 24 and 20 rows; the history records the steps' rows
+    net = classifier(188)
     for rank in ranks:
         assert rank['steps'] == 2 * 4
         assert rank['allreduces'] == rank['steps']
-    net = classifier(192)
-    assert_params_equal(ranks[0]['params'], net)
-    assert_params_equal(ranks[1]['params'], net)
+        assert rank['batch_sizes'] == [[48, 48, 48, 44]] * 2
+        np.testing.assert_allclose(rank['train_loss'], net.history[:, 'train_loss'],
+                                   rtol=1e-10)
+        assert_params_equal(rank['params'], net)
 
 
 @pytest.mark.slow  # torchrun

@@ -39,7 +39,8 @@ Accelerate's state lives as long as the process)
 * ``outputs``: ``samples`` with a module that returns Hugging Face's
   ``SequenceClassifierOutput`` and a callback that records each training
   step's ``y_pred`` (its class and logits);
-* ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin;
+* ``accelerate``: skorch's AccelerateMixin composed with GradAccMixin, on
+  188 rows without even batches (the last step's rows: 24 and 20);
 * ``accelerate_criterion``: ``accelerate`` with a criterion that has a
   parameter, which the accelerator wraps in DDP, and a count of that
   wrapper's all-reduces;
@@ -206,8 +207,8 @@ class NLLOfProbabilities:
         return torch.nn.functional.nll_loss(torch.log(y_pred + eps), y_true)
 
 
-def make_accelerated_net(criterion=NLLOfProbabilities, **common):
-    from accelerate import Accelerator
+def make_accelerated_net(criterion=NLLOfProbabilities, even_batches=True, **common):
+    from accelerate import Accelerator, DataLoaderConfiguration
     from skorch.hf import AccelerateMixin
 
     class AcceleratedGradAccNet(CountsMicroBatches, AccelerateMixin,
@@ -215,7 +216,9 @@ def make_accelerated_net(criterion=NLLOfProbabilities, **common):
         pass
 
     return AcceleratedGradAccNet(
-        MLPClassifier, accelerator=Accelerator(cpu=True), device=None,
+        MLPClassifier, device=None, accelerator=Accelerator(
+            cpu=True, dataloader_config=DataLoaderConfiguration(
+                even_batches=even_batches)),
         criterion=criterion, callbacks__print_log__sink=print, lr=0.1,
         **common)
 
@@ -250,7 +253,10 @@ def make_net_and_data(scenario, rank, device):
         if scenario == 'accelerate_criterion':
             common.update(criterion=TemperedNLL,
                           callbacks=[CountsCriterionAllReduces()])
-        return make_accelerated_net(**common), *classification_data(192)
+            return make_accelerated_net(**common), *classification_data(192)
+        # the last step's rows unequal over ranks: 24 and 20
+        return make_accelerated_net(even_batches=False, **common), *classification_data(
+            188)
     # a module that refuses zero rows: a rank without rows runs a real one
     module = FailingMLP if scenario == 'raise' and rank == 1 else RowsNeededMLP
     if scenario == 'batchnorm':
