@@ -132,7 +132,7 @@ def split_micro_batch(net, micro, group):
     ``rows_in_flight``, ``piece_rows`` and ``cost_per_row`` on ``group``
     for a back-off.
     """
-    plan = getattr(net, 'memory_plan_', None)
+    plan = vars(net).get('memory_plan_') if net.micro_batch_size == 'auto' else None
     rows = group.rows_in_flight = batch_len(micro)
     group.cost_per_row, group.shown_rows = cost_per_row(micro), None
     size = net.get_micro_batch_size() if plan is None else rows_within(
@@ -151,8 +151,8 @@ def micro_batch_pieces(net, micro, group):
     :func:`split_micro_batch`, cut after them. With ``'auto'``, what the
     process holds free goes back to the OS first.
     """
-    verify, rows = getattr(net, '_plan_verify_', None), batch_len(micro)
-    left, per_row = rows, cost_per_row(micro)
+    verify = vars(net).get('_plan_verify_') if net.micro_batch_size == 'auto' else None
+    left, per_row = (rows := batch_len(micro)), cost_per_row(micro)
     # what loading it left free (its rows, one by one, then collated) goes
     # back to the OS, as before the plan's passes: no pass showed it
     if (meter := getattr(net, 'memory_meter_', None)) is not None:
@@ -225,7 +225,8 @@ def plan_memory(net, group, buffers, **fit_params):
     more, on the grid of
     :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks
     once none verifies more, as a cost (``batch_cost``) for other
-    micro-batches; it goes to ``net.memory_plan_``: ``'budget'``,
+    micro-batches; it goes to ``net.memory_plan_``: ``'budget'`` (and the
+    ``'memory_budget'`` given),
     ``'margin'`` (bytes), ``'micro_batch_size'``, ``'max_cost'`` (in ``'cost'``, rows or
     elements), ``'predicted_peak'`` and, after the fit, ``'measured_peak'``
     (bytes), ``'plan_seconds'`` (the passes'), ``'passes'`` and
@@ -277,9 +278,9 @@ def plan_memory(net, group, buffers, **fit_params):
     _refuse_unless(net, engine, line.good, budget,
                    line.now(smallest) + state + kept, known)
     net.memory_plan_ = {
-        'budget': budget, 'margin': int(budget - limit), 'method': meter.method,
-        'measured_peak': None, 'settled': False, 'verified': [],
-        'cost': 'rows' if batch_cost(first) is None else 'elements',
+        'budget': budget, 'memory_budget': net.memory_budget, 'method': meter.method,
+        'margin': int(budget - limit), 'measured_peak': None, 'settled': False,
+        'verified': [], 'cost': 'rows' if batch_cost(first) is None else 'elements',
         'plan_seconds': time.perf_counter() - start,
         'passes': [(size, result and int(result.peak))
                    for size, result in passes.items()]}
@@ -618,8 +619,8 @@ def accumulate_within_budget(net, group, accumulate, **fit_params):
     (:meth:`~skorch_gradacc.meters.MemoryMeter.release`): the plan measured
     its passes so.
     """
-    buffers = snapshot_buffers(net)
-    if net.memory_plan_ is None:
+    buffers, plan = snapshot_buffers(net), net.memory_plan_
+    if plan is None or plan['memory_budget'] != net.memory_budget:  # or another's
         plan_memory(net, group, buffers, **fit_params)
     while True:
         try:

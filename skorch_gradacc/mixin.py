@@ -303,11 +303,10 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         return engine
 
     def __getstate__(self):
-        # the engine holds module_, which skorch pickles apart (to load
-        # anywhere); kept, it would be a second copy: get_engine makes anew
-        state = super().__getstate__()
-        state.pop('engine_', None)
-        return state
+        # the engine holds module_, which skorch pickles apart (to load anywhere):
+        # get_engine makes anew; a fit's meter and plan measure this process
+        return {key: value for key, value in super().__getstate__().items()
+                if key not in ('engine_', 'memory_meter_', '_plan_verify_')}
 
     def make_engine(self):
         """Return a new engine for ``module_``; see :meth:`get_engine`."""

@@ -10,6 +10,7 @@ batch, the same plan in fresh processes.
 
 import copy
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -468,6 +469,66 @@ class TestRefusal:
             raise AssertionError(named)
         assert named and net.memory_plan_['measured_peak'] <= budget, (
             named, budget, net.memory_plan_)
+
+
+class RecordsTrainingRows(MLPClassifier):
+    """Notes the rows of each forward pass in training."""
+
+    def forward(self, X):
+        if self.training and torch.is_grad_enabled():
+            self.rows_ = getattr(self, 'rows_', []) + [len(X)]
+        return super().forward(X)
+
+
+class PicklesItselfInItsFit(Callback):
+    """Pickles the net at the end of the first epoch, mid-fit."""
+
+    def on_epoch_end(self, net, **kwargs):
+        if len(net.history) == 1:
+            self.pickled_ = pickle.dumps(net)
+
+
+class TestSettingsOfALaterFit:
+    # what a fit plans for is the net's micro_batch_size and memory_budget
+    # as it starts, also in partial_fit, whatever an earlier fit planned
+
+    def test_a_new_budget_is_planned_for(self, clf_data):
+        net = GradAccNeuralNetClassifier(
+            MLPClassifier, micro_batch_size='auto', memory_budget='1GiB',
+            batch_size=32, max_epochs=1, verbose=0, train_split=None)
+        net.fit(*clf_data)
+        before = copy.deepcopy(net.module_.state_dict())
+        with pytest.raises(ValueError, match='memory_budget=1 is 0.0 MiB, less'):
+            net.set_params(memory_budget=1).partial_fit(*clf_data)
+        for key, value in net.module_.state_dict().items():
+            assert torch.equal(value, before[key]), key
+        net.set_params(memory_budget=2 ** 30).partial_fit(*clf_data)
+        plan = net.memory_plan_
+        assert plan['memory_budget'] == plan['budget'] == 2 ** 30
+
+    @pytest.mark.parametrize('size', [8, None])
+    def test_a_fixed_size_after_auto_is_what_trains(self, clf_data, size):
+        net = GradAccNeuralNetClassifier(
+            RecordsTrainingRows, micro_batch_size='auto', memory_budget='1GiB',
+            batch_size=32, max_epochs=1, verbose=0, train_split=None)
+        net.fit(*clf_data)
+        net.module_.rows_ = []
+        net.set_params(micro_batch_size=size, memory_budget=None).partial_fit(
+            *clf_data)
+        # 203 rows: 6 micro-batches of 32, one of 11
+        expected = [32] * 6 + [11] if size is None else [8] * 24 + [8, 3]
+        assert net.module_.rows_ == expected
+
+    def test_a_net_pickled_in_its_fit_measures_its_own(self, clf_data):
+        net = GradAccNeuralNetClassifier(
+            MLPClassifier, micro_batch_size='auto', memory_budget='1GiB',
+            batch_size=32, max_epochs=2, verbose=0, train_split=None,
+            callbacks=[('pickle', PicklesItselfInItsFit())])
+        net.fit(*clf_data)
+        loaded = pickle.loads(dict(net.callbacks_)['pickle'].pickled_)
+        assert getattr(loaded, 'memory_meter_', None) is None
+        loaded.partial_fit(*clf_data)
+        assert loaded.memory_plan_['measured_peak'] is not None
 
 
 # Batches whose cost varies: tokens, dynamically padded
