@@ -48,7 +48,7 @@ from skorch_gradacc.batching import (
     padding_batch,
     uncompiled,
 )
-from skorch_gradacc.counting import net_modules, scale_gradients
+from skorch_gradacc.counting import net_modules, net_optimizers, scale_gradients
 from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
@@ -312,7 +312,7 @@ class DataParallelEngine(Engine):
         as in skorch.
         """
         own = {id(param) for param in self.module.parameters()}
-        params = [param for _, param in net.get_all_learnable_params()
+        params = [param for param in trained_params(net)
                   if param.requires_grad and id(param) not in own]
         if not params:
             return
@@ -554,10 +554,22 @@ def engine_for(module, fp16=False, shard=False):
     return Engine(module)
 
 
+def trained_params(net):
+    """Return the parameters ``net`` trains, once each.
+
+    Its learnable ones, and those its optimizers hold besides (a parameter
+    that an ``initialize_optimizer`` of the user's adds).
+    """
+    params = itertools.chain(
+        (param for _, param in net.get_all_learnable_params()),
+        (param for optimizer in net_optimizers(net)
+         for group in optimizer.param_groups for param in group['params']))
+    return list({id(param): param for param in params}.values())
+
+
 def learnable_gradients(net):
-    """Return the gradients of ``net``'s learnable parameters that exist."""
-    return [param.grad for _, param in net.get_all_learnable_params()
-            if param.grad is not None]
+    """Return the gradients of the parameters ``net`` trains that exist."""
+    return [param.grad for param in trained_params(net) if param.grad is not None]
 
 
 def _on_device(value, device):
