@@ -55,6 +55,7 @@ from skorch_gradacc.memory import (
 from skorch_gradacc.params import (
     add_combined_init,
     check_accelerate,
+    check_bases,
     check_grad_acc_params,
 )
 from skorch_gradacc.precision import PrecisionMixin
@@ -177,6 +178,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         super()._validate_params()
         check_grad_acc_params(self)
         check_accelerate(self, GradAccMixin)
+        check_bases(self, GradAccMixin)
 
     def check_training_readiness(self):
         """Check that the net is ready to train, its own parameters included."""
@@ -237,10 +239,9 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
     def get_acc_steps(self):
         """Return the ``acc_steps`` in force for the current epoch.
 
-        ``acc_steps`` as the fit began (``set_params`` in a fit waits for the
-        next, as ``batch_size`` does), unless an
-        :class:`~skorch_gradacc.AccumulationScheduler` set ``acc_steps_``
-        for this epoch.
+        ``acc_steps`` as the fit began (set in a fit, it waits for the next,
+        as ``batch_size``), unless an :class:`~skorch_gradacc.AccumulationScheduler`
+        set ``acc_steps_`` for this epoch.
         """
         scheduled = getattr(self, 'acc_steps_', None)
         return self.acc_steps if scheduled is None else scheduled

@@ -1,7 +1,8 @@
 """The parameters of a GradAcc net: their checks, and the signature sklearn reads.
 
-:func:`check_grad_acc_params` and :func:`check_accelerate` raise a
-ValueError for a bad value or combination before any training;
+:func:`check_grad_acc_params`, :func:`check_accelerate` and
+:func:`check_bases` raise a ValueError for a bad value, combination or
+order of bases before any training;
 :func:`add_combined_init` gives each net class the ``__init__`` signature
 that scikit-learn's ``get_params`` and estimator checks read, and
 :func:`params_doc` the docstring section that documents the parameters in
@@ -86,6 +87,28 @@ def check_accelerate(net, mixin):
             "(got mixed_precision={!r}, skip_nonfinite={!r}) and use the "
             "accelerator's mixed_precision option instead.".format(
                 name, net.mixed_precision, net.skip_nonfinite))
+
+
+# what GradAccMixin replaces without calling super(): a base class after it
+# that overrides them is never called
+REPLACED_METHODS = ('train_step', 'count_loss_items')
+
+
+def check_bases(net, mixin):
+    """Refuse an override of ``REPLACED_METHODS`` in a base after ``mixin``.
+
+    The user's, not skorch's or this package's.
+    """
+    mro = type(net).__mro__
+    for cls in mro[mro.index(mixin) + 1:]:
+        if cls.__module__.split('.')[0] in ('builtins', 'skorch', 'skorch_gradacc'):
+            continue
+        for name in [name for name in REPLACED_METHODS if name in vars(cls)]:
+            raise ValueError(
+                "{cls}.{name} comes after GradAccMixin in the bases of {net}, "
+                "which replaces it; put {cls} before GradAccMixin, so that its "
+                "super().{name} is GradAccMixin's.".format(
+                    cls=cls.__name__, name=name, net=type(net).__name__))
 
 
 def add_combined_init(cls):

@@ -9,6 +9,7 @@ from skorch.callbacks import Callback
 from skorch.dataset import unpack_data
 
 from skorch_gradacc import (
+    GradAccMixin,
     GradAccNeuralNet,
     GradAccNeuralNetClassifier,
     LossItemsWarning,
@@ -16,6 +17,7 @@ from skorch_gradacc import (
 from skorch_gradacc.grouping import MicroBatchGroup
 
 from conftest import (
+    DTYPE,
     PARAM_ATOL,
     MLPClassifier,
     RecordParams,
@@ -313,3 +315,70 @@ def test_values_recorded_in_get_loss_are_the_large_batch_values(
         np.testing.assert_allclose(np.asarray(got, dtype=float),
                                    np.asarray(expected, dtype=float),
                                    rtol=1e-10, err_msg=key)
+
+
+class ClampsAfterTheStep(NeuralNetClassifier):
+    """A user's net whose train_step clamps the parameters after skorch's."""
+
+    def train_step(self, batch, **fit_params):
+        step = super().train_step(batch, **fit_params)
+        with torch.no_grad():
+            for param in self.module_.parameters():
+                param.clamp_(-0.05, 0.05)
+        return step
+
+
+def test_a_step_that_grad_acc_would_hide_is_refused_or_runs_per_step(clf_data):
+    # after GradAccMixin in the bases, its train_step would never be called
+    # (the mixin's replaces it): refused; before, it runs once per step
+    class Hidden(GradAccMixin, ClampsAfterTheStep):
+        pass
+
+    with pytest.raises(ValueError, match=(
+            r"^ClampsAfterTheStep.train_step comes after GradAccMixin in the "
+            r"bases of Hidden, which replaces it; put ClampsAfterTheStep before "
+            r"GradAccMixin, so that its super\(\).train_step is GradAccMixin's\.$")):
+        Hidden(MLPClassifier, acc_steps=4).initialize()
+
+    class Clamped(ClampsAfterTheStep, GradAccMixin, NeuralNetClassifier):
+        pass
+
+    acc_net, plain_net = make_nets(4)
+    acc_net = Clamped(**acc_net.get_params())
+    plain_net = ClampsAfterTheStep(**plain_net.get_params())
+    fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+    assert max(param.abs().max() for param in acc_net.module_.parameters()) <= 0.05
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net)
+
+
+class TemperatureOfItsOwn:
+    """A temperature that initialize_optimizer adds to the optimizer's
+    parameters, not one of the net's learnable ones."""
+
+    def initialize_module(self):
+        super().initialize_module()
+        self.log_t_ = torch.nn.Parameter(torch.zeros((), dtype=DTYPE))
+        return self
+
+    def initialize_optimizer(self, *args, **kwargs):
+        self.optimizer_ = torch.optim.SGD(
+            list(self.module_.parameters()) + [self.log_t_], lr=self.lr)
+        return self
+
+    def get_loss(self, y_pred, y_true, *args, **kwargs):
+        return torch.nn.functional.nll_loss(
+            torch.log_softmax(torch.log(y_pred) * self.log_t_.exp(), dim=-1), y_true)
+
+
+def test_a_parameter_only_the_optimizer_holds_is_normalized_too(clf_data):
+    acc_net, plain_net = make_nets(4)
+    acc_net = type('Acc', (TemperatureOfItsOwn, GradAccNeuralNetClassifier), {})(
+        **acc_net.get_params())
+    plain_net = type('Plain', (TemperatureOfItsOwn, NeuralNetClassifier), {})(
+        **plain_net.get_params())
+    fit_seeded(acc_net, *clf_data), fit_seeded(plain_net, *clf_data)
+    assert abs(float(plain_net.log_t_.detach())) > 1e-3  # it trains
+    torch.testing.assert_close(acc_net.log_t_, plain_net.log_t_, rtol=0,
+                               atol=PARAM_ATOL)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
