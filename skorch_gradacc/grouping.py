@@ -305,8 +305,9 @@ class MicroBatchGroup:
 
 _RELEASED_MESSAGE = (
     "This training batch was released after its backward pass. A callback "
-    "that reads it declares so in its class, e.g. train_batch_reads = ('X', "
-    "'y', 'y_pred'), and the net keeps the group until its step.")
+    "(or net) that reads it declares so in its class, e.g. train_batch_reads "
+    "= ('X', 'y', 'y_pred'); a train_step of a GradAcc net trains a group "
+    "with super().train_step.")
 
 
 class _ReleasedInputs:

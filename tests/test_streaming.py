@@ -374,9 +374,9 @@ class TestOneMicroBatchAlive:
             fit_watched(callbacks=[('reads', ReadsBatch())])
         assert str(exc.value) == (
             "This training batch was released after its backward pass. A "
-            "callback that reads it declares so in its class, e.g. "
-            "train_batch_reads = ('X', 'y', 'y_pred'), and the net keeps the "
-            "group until its step.")
+            "callback (or net) that reads it declares so in its class, e.g. "
+            "train_batch_reads = ('X', 'y', 'y_pred'); a train_step of a GradAcc "
+            "net trains a group with super().train_step.")
 
 
 def test_all_padding_group_with_adam_equals_large_batch():
