@@ -519,6 +519,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
             prefix = self._compiled_prefix()
             return {prefix + key: value for key, value in state.items()}
         optimizer = getattr(self, attr)
+        if not optimizer.state:  # torch's would step it to make one
+            return optimizer.state_dict()  # a plain one's: nothing sharded
         state = get_optimizer_state_dict(self._state_model(), optimizer,
                                          options=options)
         if not state:  # cpu_offload: only rank 0 gets the full state
@@ -567,12 +569,21 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         if (scaler := self._get_grad_scaler()) is not None:  # as its own hook
             load_scaler_state(scaler, optimizer, state_dict)
         state_dict = _renamed(state_dict, self._param_names(optimizer))
-        if not state_dict['state']:
-            # a stateless optimizer (SGD without momentum): nothing to shard,
-            # and the full load needs a local state tensor for its device
-            options = StateDictOptions(full_state_dict=False)
+        # as a plain optimizer's load_state_dict: the file's hyper-parameters
+        # (a scheduler's initial_lr too), and no state where it has none
+        for group, saved in zip(optimizer.param_groups, state_dict['param_groups']):
+            group.update({key: saved[key] for key in saved if key != 'params'})
+        options = StateDictOptions(
+            # a stateless optimizer's (SGD without momentum): nothing to
+            # shard, and the full load needs a local state tensor for its device
+            full_state_dict=bool(state_dict['state']), strict=False)
         set_optimizer_state_dict(self._state_model(), optimizer, state_dict,
                                  options=options)
+        # torch's load steps a stateless optimizer with zero gradients first
+        names = dict(zip(self._param_names(optimizer), (
+            param for group in optimizer.param_groups for param in group['params'])))
+        for name in set(names) - set(state_dict['state']):
+            optimizer.state.pop(names[name], None)
 
     save_needs_every_rank = True  # the full states are gathered
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
-from skorch.callbacks import Checkpoint, GradientNormClipping
+from skorch.callbacks import Checkpoint, Freezer, GradientNormClipping, LRScheduler
 from skorch.history import History
 from test_normalization import IGNORE, TokenTagger, token_data
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -40,6 +40,7 @@ from conftest import (
     ShiftedTemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
+    fit_seeded,
 )
 
 DISTRIBUTED = Path(__file__).parent / 'torchrun_scripts'
@@ -859,3 +860,68 @@ def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path, monkeypatch):
     predicted = str(plain.predict(X[:5].astype('float32')))
     # the ranks share one stdout, so their lines may interleave
     assert run.stdout.count(predicted) == WORLD_SIZE, (predicted, run.stdout)
+
+
+class TestOptimizerFiles:
+    """save_params and load_params of the optimizer, on a 1-rank group, as
+    a plain net's: torch's full state dicts step an optimizer without state
+    and refuse keys or states a fresh one lacks."""
+
+    @pytest.fixture(autouse=True)
+    def one_rank(self, tmp_path):
+        dist.init_process_group('gloo', rank=0, world_size=1,
+                                init_method=(tmp_path / 'store').as_uri())
+        yield
+        dist.destroy_process_group()
+
+    @staticmethod
+    def nets(**params):
+        params = dict(max_epochs=1, verbose=0, train_split=None, lr=0.1,
+                      optimizer=torch.optim.SGD, optimizer__momentum=0.9,
+                      optimizer__weight_decay=0.1, **params)
+        torch.manual_seed(0)
+        fsdp = FSDPNet(sequential_classifier, batch_size=8, acc_steps=2, **params)
+        torch.manual_seed(0)
+        return fsdp, NeuralNetClassifier(sequential_classifier, batch_size=16, **params)
+
+    @staticmethod
+    def params_of(net):
+        return [getattr(param, 'full_tensor', lambda p=param: p)().detach()
+                for param in net.module_.parameters()]
+
+    def assert_same_params(self, net, plain):
+        for param, expected in zip(self.params_of(net), self.params_of(plain),
+                                   strict=True):
+            torch.testing.assert_close(param, expected, rtol=0, atol=PARAM_ATOL)
+
+    def test_a_file_saved_before_the_first_step_holds_no_state(self, tmp_path):
+        fsdp, plain = self.nets()
+        torch.manual_seed(0)
+        fsdp.initialize().save_params(f_optimizer=tmp_path / 'opt.pt')
+        assert not fsdp.optimizer_.state  # torch's would step it to make one
+        assert torch.load(tmp_path / 'opt.pt')['state'] == {}
+        X, y = classification_data(64)
+        fsdp.partial_fit(X, y), fit_seeded(plain, X, y)
+        self.assert_same_params(fsdp, plain)
+
+    @pytest.mark.parametrize('case', ['scheduled', 'frozen'])
+    def test_a_plain_nets_file_loads_as_into_a_plain_net(self, tmp_path, case):
+        # a scheduler's initial_lr, which a fresh optimizer lacks; no state
+        # for a layer frozen when it was saved
+        X, y = classification_data(64)
+        first = dict(callbacks=[LRScheduler('StepLR', step_size=1, gamma=0.5)]) if (
+            case == 'scheduled') else dict(callbacks=[Freezer('0.*')])
+        _, saved = self.nets(**first)
+        saved.fit(X, y).save_params(f_params=tmp_path / 'p.pt',
+                                     f_optimizer=tmp_path / 'o.pt')
+        fsdp, plain = self.nets()
+        for net in (fsdp, plain):
+            net.initialize().load_params(f_params=tmp_path / 'p.pt',
+                                         f_optimizer=tmp_path / 'o.pt')
+            lr = net.optimizer_.param_groups[0]['lr']
+            assert lr == saved.optimizer_.param_groups[0]['lr']
+        assert len(fsdp.optimizer_.state) == len(plain.optimizer_.state)
+        for net in (fsdp, plain):
+            torch.manual_seed(1)
+            net.partial_fit(X, y)
+        self.assert_same_params(fsdp, plain)
