@@ -208,7 +208,7 @@ def outputs_needed(net):
     batch = ('X' in reads or at_begin or net.micro_batch_size == 'auto'
              or reevaluates_group(net))
     return {'batch': batch, 'X': 'X' in reads, 'y': 'y' in reads,
-            'y_pred': 'y_pred' in reads}
+            'y_pred': 'y_pred' in reads, 'at_begin': at_begin}
 
 
 def count_steps_in_progress_bars(net, dataset_train, acc_steps):

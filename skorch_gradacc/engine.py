@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from skorch_gradacc.batching import (
+    batch_len,
     concat_outputs,
     output_rows,
     outputs_of_no_rows,
@@ -125,8 +126,13 @@ class Engine:
     def __init__(self, module=None):
         self.module = module
 
-    def groups(self, micro_batches, acc_steps, keep=False, keep_targets=False):
-        """Return this rank's groups of micro-batches, one per step."""
+    def groups(self, micro_batches, acc_steps, keep=False, keep_targets=False,
+               share_inputs=False):
+        """Return this rank's groups of micro-batches, one per step.
+
+        ``share_inputs``: each group gives all ranks' micro-batches from its
+        ``on_batch_begin`` on (here, one rank's are all).
+        """
         return MicroBatchGroups(micro_batches, acc_steps, keep=keep,
                                 keep_targets=keep_targets)
 
@@ -256,24 +262,27 @@ class DataParallelEngine(Engine):
         self.device = param.device if param is not None else torch.device(
             'cpu')
 
-    def groups(self, micro_batches, acc_steps, keep=False, keep_targets=False):
+    def groups(self, micro_batches, acc_steps, keep=False, keep_targets=False,
+               share_inputs=False):
         """Return this rank's groups, the same number on every rank."""
         sampler = getattr(micro_batches, 'sampler', None)
         if self.shard and not isinstance(sampler, DistributedSampler):
-            return ShardedMicroBatchGroups(
+            groups = ShardedMicroBatchGroups(
                 micro_batches, acc_steps,
                 rank=dist.get_rank(self.process_group),
                 world_size=self.world_size,
                 keep=keep, keep_targets=keep_targets, device=self.device,
                 process_group=self.process_group)
-        if length_or_none(micro_batches) is None:
+        elif length_or_none(micro_batches) is None:
             raise ValueError(
                 "Data-parallel training needs a training iterator with a "
                 "length when it is sharded by its own sampler, so that every "
                 "rank takes the same number of steps; got {!r}.".format(
                     micro_batches))
-        return super().groups(micro_batches, acc_steps, keep=keep,
-                              keep_targets=keep_targets)
+        else:
+            groups = super().groups(micro_batches, acc_steps, keep=keep,
+                                    keep_targets=keep_targets)
+        return _InputsShared(groups, self) if share_inputs and keep else groups
 
     def end_step(self, net, group, counts):
         """All-reduce the count, loss sum and rows; divide the gradient.
@@ -552,6 +561,28 @@ def engine_for(module, fp16=False, shard=False):
     if isinstance(module, DistributedDataParallel):
         return DDPEngine(module, shard=shard, fp16=fp16)
     return Engine(module)
+
+
+class _InputsShared:
+    """Groups that give all ranks' micro-batches before their step.
+
+    For a callback that reads the batch in ``on_batch_begin``: each group
+    is pulled whole, and gathered over ranks (:meth:`~DataParallelEngine.share_step`)
+    as the large batch's, its length too.
+    """
+
+    def __init__(self, groups, engine):
+        self.groups, self.engine = groups, engine
+
+    def __len__(self):
+        return len(self.groups)
+
+    def __iter__(self):
+        for group in self.groups:
+            group.skip_rest()  # kept: pulled whole
+            self.engine.share_step(group, {})
+            group.global_rows = batch_len(group.shared)
+            yield group
 
 
 def trained_params(net):

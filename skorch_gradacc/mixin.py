@@ -267,9 +267,10 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         Returns
         -------
         needed : dict
-          ``{'batch': bool, 'X': bool, 'y': bool, 'y_pred': bool}``: whether
-          the group keeps its micro-batches, whether callbacks read them, and
-          whether it keeps its targets, and its outputs.
+          ``{'batch': bool, 'X': bool, 'y': bool, 'y_pred': bool,
+          'at_begin': bool}``: whether the group keeps its micro-batches,
+          whether callbacks read them, its targets, its outputs, and the
+          batch in ``on_batch_begin``.
 
         Examples
         --------
@@ -284,7 +285,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         ...     make_classifier(), acc_steps=4, callbacks=[
         ...         PrintLoss(), EpochScoring('accuracy', on_train=True)])
         >>> net.initialize().get_train_outputs_needed()
-        {'batch': False, 'X': False, 'y': True, 'y_pred': True}
+        {'batch': False, 'X': False, 'y': True, 'y_pred': True, 'at_begin': False}
 
         """
         return outputs_needed(self)
@@ -330,11 +331,11 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
             self._keep_train_y_pred_ = needed['y_pred']
-            # over all ranks, for the callbacks that read the batch at its end
+            # over all ranks, for the callbacks that read the batch
             self._share_train_step_ = needed['X'] or needed['y'] or needed['y_pred']
             iterator = self.get_engine().groups(
                 iterator, self.get_acc_steps(), keep=needed['batch'],
-                keep_targets=needed['y'])
+                keep_targets=needed['y'], share_inputs=needed['at_begin'])
         return super().run_single_epoch(
             iterator, training, prefix, step_fn, **fit_params)
 
@@ -357,6 +358,8 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         def step_fn():
             self._zero_grad_optimizer()
             step = self.accumulate_gradients(batch, **fit_params)  # <= changed
+            if getattr(self, '_share_train_step_', False):  # <= added: all ranks'
+                step = self.get_engine().share_step(batch, step)
             step_accumulator.store_step(step)
 
             self.notify(
@@ -374,10 +377,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
             # have not stepped, and the partial gradient must not survive.
             self._zero_grad_optimizer()
             raise
-        step = _as_skorch_step(step_accumulator.get_step())
-        if getattr(self, '_share_train_step_', False):
-            step = self.get_engine().share_step(batch, step)
-        return step
+        return _as_skorch_step(step_accumulator.get_step())
 
     # Accumulation and normalization
 

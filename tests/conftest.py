@@ -166,6 +166,28 @@ class RecordParams(Callback):
         self.params_.append(copy.deepcopy(net.module_.state_dict()))
 
 
+class RecordsGradBatches(Callback):
+    """Note the rows of a training step's batch in ``on_grad_computed``: the
+    large batch's, over ranks."""
+
+    train_batch_reads = ('X', 'y')
+
+    def initialize(self):
+        self.records_ = []
+        return self
+
+    def on_grad_computed(self, net, named_parameters, batch=None, **kwargs):
+        self.records_.append(('grad', len(batch[1])))
+
+
+class RecordsStepBatches(RecordsGradBatches):
+    """And the targets it gives in ``on_batch_begin``."""
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        if training:
+            self.records_.append(('begin', np.asarray(batch[1]).tolist()))
+
+
 def classification_data(n_samples=203, seed=0):
     X, y = make_classification(
         n_samples=n_samples, n_features=10, n_informative=6, n_classes=3,

@@ -60,6 +60,8 @@ from conftest import (
     FirstIsBest,
     MLPClassifier,
     NormalizedMLP,
+    RecordsGradBatches,
+    RecordsStepBatches,
     RowsNeededMLP,
     TemperedNLL,
     assert_ranks_backed_off_alike,
@@ -150,12 +152,14 @@ def test_rows_that_fill_no_whole_step_leave_a_rank_empty(ddp):
     for rank in ranks:  # no runtime state reaches get_params, and clone()
         before, after = rank['params_keys']
         assert before == after
-    net = classifier(195)
+    net = classifier(195, callbacks=[('steps', RecordsGradBatches())])
     assert_same_as_single_process(ranks, net)
     X, _ = classification_data(195)
     for rank in ranks:
         np.testing.assert_allclose(rank['proba'].numpy(), net.predict_proba(X[:5]),
                                    rtol=0, atol=1e-12)
+        # on_grad_computed's batch: the step's over all ranks
+        assert rank['step_batches'] == dict(net.callbacks_)['steps'].records_
 
 
 def backoff_rows(rank):
@@ -281,8 +285,13 @@ def test_shuffled_data_over_two_epochs(ddp):
     # that of the single process, from rank 0's broadcast random state
     ranks = ddp.ranks('shuffle')
     assert ranks[0]['rows'] + ranks[1]['rows'] == 2 * 203
-    assert_same_as_single_process(
-        ranks, classifier(203, iterator_train__shuffle=True))
+    net = classifier(203, iterator_train__shuffle=True,
+                     callbacks=[('steps', RecordsStepBatches())])
+    assert_same_as_single_process(ranks, net)
+    # in on_batch_begin and on_grad_computed too, the batch is the step's
+    # over all ranks: the single process's
+    for rank in ranks:
+        assert rank['step_batches'] == dict(net.callbacks_)['steps'].records_
 
 
 @pytest.mark.slow  # torchrun

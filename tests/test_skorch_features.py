@@ -371,7 +371,8 @@ class TestLoggersAndHelpers:
         X, y = clf_data
         acc_net, _ = make_nets(4, callbacks=self.loggers())
         assert acc_net.initialize().get_train_outputs_needed() == {
-            'batch': False, 'X': False, 'y': False, 'y_pred': False}
+            'batch': False, 'X': False, 'y': False, 'y_pred': False,
+            'at_begin': False}
         # neptune's logger imports neptune at the end of training
         loggers = [cb for cb in self.loggers() if cb[0] != 'neptune']
         acc_net, plain_net = make_nets(4, max_epochs=2, callbacks=loggers)

@@ -101,6 +101,8 @@ from conftest import (
     FirstIsBest,
     MLPClassifier,
     NormalizedMLP,
+    RecordsGradBatches,
+    RecordsStepBatches,
     RowsNeededMLP,
     TemperedNLL,
     classification_data,
@@ -280,6 +282,9 @@ def make_net_and_data(scenario, rank, device):
         common.update(criterion=TemperedNLL, optimizer__weight_decay=0.01)
     if scenario == 'drop_last':
         common['iterator_train__drop_last'] = True
+    if scenario in ('shuffle', 'samples'):  # what callbacks read before its end
+        common['callbacks'] = [('steps', (
+            RecordsStepBatches if scenario == 'shuffle' else RecordsGradBatches)())]
     if scenario == 'load_best':
         common['callbacks'] = [FirstIsBest(), Checkpoint(
             monitor='first_best', load_best=True, dirname=os.path.join(
@@ -351,6 +356,7 @@ def run(scenario, out_dir, device):
                          net.history[:, 'batches', :, 'train_loss']],
         'batch_sizes': [[int(size) for size in sizes] for sizes in
                         net.history[:, 'batches', :, 'train_batch_size']],
+        'step_batches': getattr(dict(net.callbacks_).get('steps'), 'records_', None),
         # one batch: rank 1 pads
         'proba': torch.as_tensor(net.predict_proba(X[:5])) if scenario == 'samples'
         else None,
