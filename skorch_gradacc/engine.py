@@ -50,7 +50,7 @@ from skorch_gradacc.batching import (
     uncompiled,
 )
 from skorch_gradacc.counting import net_modules, net_optimizers, scale_gradients
-from skorch_gradacc.grouping import MicroBatchGroups, length_or_none
+from skorch_gradacc.grouping import MicroBatchGroups, length_or_none, step_count
 from skorch_gradacc.sharding import ShardedMicroBatchGroups
 
 __all__ = ['Engine']
@@ -279,6 +279,13 @@ class DataParallelEngine(Engine):
                 "length when it is sharded by its own sampler, so that every "
                 "rank takes the same number of steps; got {!r}.".format(
                     micro_batches))
+        elif len(steps := {self.min_over_ranks(sign * step_count(
+                micro_batches, acc_steps)) * sign for sign in (1, -1)}) > 1:
+            # on every rank: one with fewer would leave the others waiting
+            raise ValueError(
+                "The ranks' training iterators, sharded by their own sampler, "
+                "make {} to {} steps; give each the same number of batches "
+                "(Accelerate's even_batches=True).".format(*sorted(steps)))
         else:
             groups = super().groups(micro_batches, acc_steps, keep=keep,
                                     keep_targets=keep_targets)

@@ -525,6 +525,19 @@ def test_nccl_on_every_gpu_matches_single_process(tmp_path):
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(TIME_LIMIT + 60)
+def test_ranks_whose_own_samplers_make_unequal_steps_are_refused(tmp_path):
+    # a launch of its own: each rank raises before training, where the one
+    # with more steps would wait for the others forever
+    run = launch_scenarios(WORKER, tmp_path, ['uneven'], timeout=TIME_LIMIT)
+    assert not run.timed_out  # a hang
+    message = ("ValueError: The ranks' training iterators, sharded by their own "
+               "sampler, make 1 to 2 steps; give each the same number of batches "
+               "(Accelerate's even_batches=True).")
+    assert run.output.count(message) == WORLD_SIZE, run.tail()
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
 def test_a_failing_rank_does_not_hang(tmp_path):
     # a launch of its own: the failing rank ends it
     run = launch_scenarios(WORKER, tmp_path, ['raise'], timeout=TIME_LIMIT)

@@ -45,6 +45,7 @@ Accelerate's state lives as long as the process)
   parameter, which the accelerator wraps in DDP, and a count of that
   wrapper's all-reduces;
 * ``raise``: rank 1 fails in its first step;
+* ``uneven``: ranks whose own samplers give them 2 and 1 steps;
 * ``auto``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1's
   module runs out of memory above 4 rows, armed after the plan (the first
   step's gradient): the plan was wrong;
@@ -113,6 +114,7 @@ OUT_DIR = []  # the launch's, for the scenarios that write files
 # 'apart': a first step of 6 micro-batches of 8 rows, then one of 8 rows
 # (rank 0's) and one of 5 (rank 1's)
 N_SAMPLES = {'samples': 195, 'shuffle': 203, 'drop_last': 203, 'raise': 195,
+             'uneven': 195,
              'auto': 195, 'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
              'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195,
              'outputs': 195, 'batchnorm': 195, 'compile': 211}
@@ -209,6 +211,16 @@ class NLLOfProbabilities:
         return torch.nn.functional.nll_loss(torch.log(y_pred + eps), y_true)
 
 
+class UnevenShare(torch.utils.data.DistributedSampler):
+    """A rank's own rows: 48 on rank 0, 24 on rank 1 (2 and 1 steps)."""
+
+    def __iter__(self):
+        return iter(range(48) if self.rank == 0 else range(48, 72))
+
+    def __len__(self):
+        return 48 if self.rank == 0 else 24
+
+
 def make_accelerated_net(criterion=NLLOfProbabilities, even_batches=True, **common):
     from accelerate import Accelerator, DataLoaderConfiguration
     from skorch.hf import AccelerateMixin
@@ -282,6 +294,8 @@ def make_net_and_data(scenario, rank, device):
         common.update(criterion=TemperedNLL, optimizer__weight_decay=0.01)
     if scenario == 'drop_last':
         common['iterator_train__drop_last'] = True
+    if scenario == 'uneven':
+        common['iterator_train__sampler'] = UnevenShare(range(N_SAMPLES['uneven']))
     if scenario in ('shuffle', 'samples'):  # what callbacks read before its end
         common['callbacks'] = [('steps', (
             RecordsStepBatches if scenario == 'shuffle' else RecordsGradBatches)())]
