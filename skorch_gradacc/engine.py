@@ -389,9 +389,13 @@ class DataParallelEngine(Engine):
         batch's order (rank ``r``'s micro-batch ``j`` is the step's ``j * W
         + r``; a rank's zero-row placeholder is left out), so that the
         callbacks score what the large batch would, as in validation. On the
-        CPU.
+        CPU. A group gathered before its step gathers only the outputs.
         """
         y_pred, rows, kept = step.get('y_pred'), group.micro_rows, group.kept()
+        if group.shared is not None:  # gathered before the step (_InputsShared)
+            kept = None
+            if y_pred is None:
+                return step
         starts = [0, *itertools.accumulate(rows)]
         mine = [(
             None if kept is None else to_device(kept[index], 'cpu'),

@@ -771,6 +771,53 @@ def test_a_0d_output_reaches_callbacks_whole_over_ranks(tmp_path):
     np.testing.assert_allclose(ours, expected, rtol=1e-12)
 
 
+class RecordsStepOutputs(Callback):
+    """Keeps each training step's outputs."""
+
+    train_batch_reads = ('y_pred',)
+
+    def initialize(self):
+        self.outputs_ = []
+        return self
+
+    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+        if training:
+            self.outputs_.append(y_pred.detach().clone())
+
+
+@pytest.mark.parametrize('reads_outputs, gathers_per_step', [(False, 1), (True, 2)])
+def test_a_batch_gathered_for_on_batch_begin_is_not_gathered_again(
+        tmp_path, monkeypatch, reads_outputs, gathers_per_step):
+    # the step's inputs over ranks, gathered before on_batch_begin, serve
+    # on_grad_computed and on_batch_end too: after the step, only the
+    # outputs are gathered, if read
+    X, y = classification_data(203)
+    gathers, all_gather_object = [], dist.all_gather_object
+    monkeypatch.setattr(dist, 'all_gather_object',
+                        lambda *args, **kwargs: gathers.append(1) or
+                        all_gather_object(*args, **kwargs))
+    callbacks = lambda: [('steps', RecordsStepBatches())] + (  # noqa: E731
+        [('outputs', RecordsStepOutputs())] if reads_outputs else [])
+    params = dict(max_epochs=2, train_split=None, verbose=0)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(MLPClassifier, batch_size=8, acc_steps=4,
+                            callbacks=callbacks(), **params).fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    assert len(gathers) == 2 * 7 * gathers_per_step  # 7 steps an epoch
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(MLPClassifier, batch_size=32, callbacks=callbacks(),
+                                **params).fit(X, y)
+    ours, expected = (dict(each.callbacks_) for each in (net, plain))
+    assert ours['steps'].records_ == expected['steps'].records_
+    for out, plain_out in zip(*(each['outputs'].outputs_ if reads_outputs else []
+                                for each in (ours, expected)), strict=True):
+        torch.testing.assert_close(out, plain_out, rtol=0, atol=1e-12)
+
+
 class ReturnsMoreDDPClassifier(ReturnsMore, DDPClassifier):
     pass
 
