@@ -22,6 +22,7 @@ from skorch_gradacc.batching import (
     padding_batch,
     uncompiled,
 )
+from skorch_gradacc.counting import net_optimizers
 from skorch_gradacc.distributed import (
     RankRandomStreamMixin,
     RankZeroCheckpointMixin,
@@ -397,7 +398,8 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         A ``Checkpoint`` that pickles the net (``f_pickle``) is refused:
         an FSDP2 net does not pickle; so are ``'fp16'`` and
         ``GradientNormClipping`` beside learnable parameters outside
-        ``module_`` (:meth:`_check_gradients_of_one_kind`).
+        ``module_`` (:meth:`_check_gradients_of_one_kind`), and LBFGS beside
+        uneven shards (:meth:`_check_lbfgs_shards`).
         """
         super().check_training_readiness()
         if getattr(self, 'initialized_', False):
@@ -408,6 +410,28 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
                 "pickle; set f_pickle=None and keep f_params and f_optimizer "
                 "(save_params).".format(name, checkpoint.f_pickle))
         self._check_gradients_of_one_kind()
+        self._check_lbfgs_shards()
+
+    def _check_lbfgs_shards(self):
+        """Refuse LBFGS beside a shard that torch cannot flatten.
+
+        LBFGS views each gradient as a vector, and a DTensor sharded
+        unevenly (a dimension that the ranks do not divide) has no such
+        view: the first step would fail after its forward pass.
+        """
+        if not getattr(self, 'initialized_', False) or not any(
+                isinstance(opt, torch.optim.LBFGS) for opt in net_optimizers(self)):
+            return
+        for name, param in self.module_.named_parameters():
+            for mesh_dim, placement in enumerate(getattr(param, 'placements', ())):
+                size = param.device_mesh.size(mesh_dim)
+                if placement.is_shard() and param.shape[placement.dim] % size:
+                    raise ValueError(
+                        "LBFGS needs evenly sharded parameters, but {!r} of "
+                        "shape {} is sharded over {} ranks by dimension {}; "
+                        "use DistributedGradAccMixin (DDP) or sizes the ranks "
+                        "divide.".format(name, tuple(param.shape), size,
+                                         placement.dim))
 
     def _check_gradients_of_one_kind(self):
         """Refuse what takes sharded and plain gradients in one torch call.

@@ -72,7 +72,7 @@ TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'criterion', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
-             'iterable',
+             'lbfgs', 'iterable',
              'skip', 'masked',
              'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile']
 LAUNCH_LIMIT = 480
@@ -478,6 +478,22 @@ def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(fsdp):
         assert rank['optimizer_state'] == 0
         assert rank['trained_batches'] == 0
         assert rank['memory_plan_'] is None
+        assert rank['reduce_scatters'] == 0
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_lbfgs_beside_an_uneven_shard_is_refused_before_training(fsdp):
+    # torch's LBFGS views each gradient as a vector, which a DTensor sharded
+    # unevenly has not: refused on every rank, before any pass
+    for rank in fsdp.ranks('lbfgs'):
+        assert rank['message'] == (
+            "LBFGS needs evenly sharded parameters, but '4.weight' of shape "
+            "(3, 16) is sharded over 2 ranks by dimension 0; use "
+            "DistributedGradAccMixin (DDP) or sizes the ranks divide.")
+        assert rank['params_unchanged']
+        assert rank['optimizer_state'] == 0
+        assert rank['trained_batches'] == 0
         assert rank['reduce_scatters'] == 0
 
 

@@ -32,6 +32,8 @@ after another, see worker_common.py)
 * ``plan``: ``samples`` with ``micro_batch_size='auto'``, where only rank 1
   has a budget, of 1 byte: every rank raises the plan's ValueError before
   the first step, and saves it (nothing else);
+* ``lbfgs``: ``samples`` with LBFGS, where the last layer's 3 rows are
+  sharded unevenly: every rank refuses it as ``plan`` does;
 * ``plan_fails``: ``plan`` without budgets, where only rank 1's module
   runs out of memory above 4 rows from the start, in the plan's passes;
 * ``skip``: ``samples`` with ``skip_nonfinite=True``, where one step's
@@ -288,6 +290,9 @@ def make_net(scenario, max_epochs=2, X=None):
         common['module__armed'] = scenario == 'plan_fails'
         if scenario != 'plan_fails':  # after the plan's passes
             common['callbacks'] = [ArmAfterThePlan()]
+    if scenario == 'lbfgs':
+        common['optimizer'] = torch.optim.LBFGS
+        del common['optimizer__momentum']
     if scenario == 'plan':
         common['micro_batch_size'] = 'auto'
         common['memory_budget'] = 1 if dist.get_rank() == 1 else None
@@ -343,7 +348,7 @@ def fit(scenario, out_dir):
                            if isinstance(module, torch.nn.Linear))
         first_layer.register_forward_hook(
             lambda module, args, output: net.forward_dtypes_.add(output.dtype))
-        if scenario == 'plan':
+        if scenario in ('plan', 'lbfgs'):
             return refuse(net, X, y)
         net.partial_fit(X, y)
         if scenario in ('bf16', 'fp16', 'batchnorm', 'micro'):  # shared: every rank
@@ -367,8 +372,8 @@ def local_params(net):
 
 
 def refuse(net, X, y):
-    """'plan': the ValueError of a budget too small for one row, on every
-    rank, before the first step; returns it, and what training changed."""
+    """'plan', 'lbfgs': the ValueError on every rank, before the first
+    step; returns it, and what training changed."""
     initial = local_params(net)
     try:
         net.partial_fit(X, y)
@@ -413,7 +418,7 @@ def run(scenario, out_dir):
         net = fit(scenario, out_dir)
     finally:
         setattr(dist, name, reduce_scatter)
-    if scenario == 'plan':  # refused: net is what refuse() returned
+    if scenario in ('plan', 'lbfgs'):  # refused: net is what refuse() returned
         save_rank(dict(net, reduce_scatters=len(reduce_scatters)), out_dir)
         return
     net.save_params(f_params=out_dir / 'params.pt',
