@@ -13,6 +13,8 @@ asked to (see
 
 import math
 
+import torch
+
 from skorch_gradacc.batching import batch_len, concat_outputs, length_or_none
 
 __all__ = ['MicroBatchGroup', 'MicroBatchGroups']
@@ -116,18 +118,27 @@ class MicroBatchGroups:
             del first  # the group holds it until it has been trained on
             yield group
             group.skip_rest()
-        read_to_the_end(source)
+        read_to_the_end(source, self.micro_batches)
 
 
-def read_to_the_end(source):
-    """Pull what is left of a training iterator, as skorch's loop does.
+def read_to_the_end(source, loader):
+    """Pull what is left of ``source``, an iterator of ``loader``, as skorch does.
 
     skorch reads the large batch's loader to its end, where its sampler may
     draw (``RandomSampler`` with a ``generator`` permutes once more): the
-    next epoch's order follows. What is left (a short step that
-    ``drop_last`` drops) is loaded and freed, one micro-batch at a time.
+    next epoch's order follows. The large batch's ``BatchSampler`` drops a
+    short batch (``drop_last``) without loading its rows; so, where
+    ``loader`` is a DataLoader of a map-style dataset, only its indices are
+    drawn (a dataset's random augmentation draws as in plain skorch, and a
+    bad row that is dropped raises nothing). Other iterators are read,
+    one micro-batch at a time.
     """
-    for _ in source:
+    data = torch.utils.data
+    indices = getattr(source, '_sampler_iter', None)  # torch's iterators have it
+    if (not isinstance(loader, data.DataLoader) or indices is None
+            or isinstance(loader.dataset, data.IterableDataset)):
+        indices = source  # a stream's sampler never ends: read it
+    for _ in indices:
         pass
 
 

@@ -284,7 +284,7 @@ class ShardedMicroBatchGroups:
                 for index in range(steps):
                     yield _TO_LOAD if index % self.world_size == self.rank else (
                         _OTHER_RANKS)
-                read_to_the_end(own)  # as every rank's sampler
+                read_to_the_end(own, shard)  # as every rank's sampler
 
             return stream(), load, template
 
@@ -296,7 +296,7 @@ class ShardedMicroBatchGroups:
                 own = index % self.world_size == self.rank
                 yield micro if own else _OTHER_RANKS
                 del micro
-            read_to_the_end(source)
+            read_to_the_end(source, self.micro_batches)
 
         return full(), None, template
 

@@ -402,6 +402,38 @@ def test_batches_of_three_values(clf_data):
     check(acc_net, plain_net)
 
 
+class AugmentedRows(torch.utils.data.Dataset):
+    """Rows with noise drawn from torch's global generator when loaded, as
+    torchvision's random transforms draw; loading row ``bad`` raises."""
+
+    def __init__(self, X, y, bad=None):
+        self.X, self.y, self.bad, self.loaded = X, y, bad, 0
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError('row {} is corrupt'.format(i))
+        self.loaded += 1
+        return self.X[i] + 0.1 * torch.randn(self.X.shape[1]).numpy(), self.y[i]
+
+
+@pytest.mark.parametrize('shuffle', [False, True])
+def test_rows_that_drop_last_drops_are_never_loaded(shuffle):
+    # the large batch's BatchSampler drops its short batch without loading
+    # the rows: their augmentation draws nothing, and a bad one raises nothing
+    X, y = classification_data(203)  # 6 steps of 32; 11 rows dropped
+    nets = make_nets(4, batch_size=8, train_split=None, iterator_train__drop_last=True,
+                     iterator_train__shuffle=shuffle)
+    datasets = [AugmentedRows(X, y, bad=None if shuffle else 195) for _ in nets]
+    for net, dataset in zip(nets, datasets):
+        fit_seeded(net, dataset)
+    assert [dataset.loaded for dataset in datasets] == [len(nets[1].history) * 192] * 2
+    assert max_param_diff(*nets) < PARAM_ATOL
+    assert_same_history(*nets)
+
+
 @pytest.mark.parametrize('rows, drop_last', [(200, False), (203, True)])
 def test_a_loaders_own_generator_shuffles_as_the_large_batchs(rows, drop_last):
     # skorch reads the loader to its end, where RandomSampler permutes once
