@@ -18,7 +18,6 @@ from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.batching import (
     FSDP2_TORCH,
-    cast_outputs,
     padding_batch,
     uncompiled,
 )
@@ -500,19 +499,17 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
         """Return a null context: FSDP2's MixedPrecisionPolicy casts instead."""
         return contextlib.nullcontext()
 
-    def evaluation_step(self, batch, training=False):
-        """Run the evaluation step; with mixed precision, outputs in the module's dtype.
+    def infer(self, x, **fit_params):
+        """Infer; without gradients, outputs in the module's dtype.
 
-        FSDP2's policy computes in low precision in evaluation too, where a
-        single process's net runs without autocast: its predictions come in
-        the module's dtype (numpy has no bfloat16).
+        FSDP2's policy computes in low precision in validation and
+        prediction too, where a single process's net runs without autocast:
+        their outputs and the validation loss come in the module's dtype.
         """
-        y_infer = super().evaluation_step(batch, training=training)
-        if self.mixed_precision is None:
+        y_infer = super().infer(x, **fit_params)
+        if torch.is_grad_enabled():  # training: the loss takes them as they are
             return y_infer
-        dtype = next(param.dtype for param in self.module_.parameters()
-                     if param.is_floating_point())
-        return cast_outputs(y_infer, dtype)
+        return self.in_module_dtype(y_infer)
 
     def make_grad_scaler(self):
         """Return a ShardedGradScaler, which agrees on a skip over ranks."""

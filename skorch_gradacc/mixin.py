@@ -458,8 +458,8 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         loss = engine.end_step(self, group, counts)
         self._unscale_gradients()  # callbacks see true gradients
         merge_piece_records(self._current_batch_row(), self._piece_records_)
-        return {**extras.merged(), 'loss': loss,
-                'y_pred': concat_outputs(y_preds) if y_preds else None}
+        y_pred = concat_outputs(y_preds) if y_preds else None
+        return {**extras.merged(), 'loss': loss, 'y_pred': self.in_module_dtype(y_pred)}
 
     def _pieces(self, group):
         """Yield ``(piece, is_last)`` for the pieces of ``group``.

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from skorch_gradacc.batching import cast_outputs
 from skorch_gradacc.engine import learnable_gradients
 
 __all__ = []
@@ -96,6 +97,18 @@ class PrecisionMixin:
             return contextlib.nullcontext()
         return torch.autocast(self._device_type(),
                               dtype=AUTOCAST_DTYPES[self.mixed_precision])
+
+    def in_module_dtype(self, output):
+        """Return ``output`` (or None), with mixed precision in the module's dtype.
+
+        What callbacks and predictions get of passes in low precision: the
+        dtype a module runs in without autocast (numpy has no bfloat16).
+        """
+        if self.mixed_precision is None or output is None:
+            return output
+        dtype = next((param.dtype for param in self.module_.parameters()
+                      if param.is_floating_point()), None)
+        return output if dtype is None else cast_outputs(output, dtype)
 
     def initialize_optimizer(self, *args, **kwargs):
         """Initialize the optimizers; with fp16, they carry the GradScaler.

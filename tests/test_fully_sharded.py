@@ -234,6 +234,19 @@ def test_mixed_precision_predicts_in_the_modules_dtype(fsdp, oracle, scenario):
         np.testing.assert_allclose(rank['proba'].numpy(), expected, atol=5e-2)
 
 
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_bf16_validates_in_the_modules_dtype(fsdp, oracle):
+    # the policy's passes, cast back: skorch's scoring takes no bfloat16
+    X, y = (torch.as_tensor(data[:8]) for data in classification_data(N_SAMPLES))
+    expected = oracle.validation_step((X, y))
+    for rank in fsdp.ranks('bf16'):
+        y_pred, loss = rank['valid']
+        assert y_pred.dtype == loss.dtype == DTYPE
+        torch.testing.assert_close(y_pred, expected['y_pred'], rtol=0, atol=5e-2)
+        torch.testing.assert_close(loss, expected['loss'], rtol=5e-2, atol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
 @pytest.mark.slow  # torchrun

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback, Checkpoint, LoadInitState, LRScheduler
+from skorch.callbacks import (
+    Callback,
+    Checkpoint,
+    EpochScoring,
+    LoadInitState,
+    LRScheduler,
+)
 from skorch.dataset import unpack_data
 from skorch.utils import TeeGenerator
 
@@ -165,6 +171,43 @@ def test_bf16_matches_large_batch_net_under_autocast(device):
     # close to full precision, as the large batch under autocast is: 2.1e-4
     # from float32 training against its 2.1e-4
     assert param_diff(acc_net, fp32) < 2 * param_diff(plain, fp32)
+
+
+class LogitsMLP(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Linear(10, 32), torch.nn.Tanh(),
+                         torch.nn.Linear(32, 3))
+
+
+class RecordTrainOutputDtypes(Callback):
+    train_batch_reads = ('y_pred',)
+
+    def initialize(self):
+        self.dtypes_ = set()
+        return self
+
+    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+        if training:
+            self.dtypes_.add(y_pred.dtype)
+
+
+def test_bf16_outputs_reach_callbacks_in_the_modules_dtype():
+    # logits of a last Linear are bfloat16 under autocast, which numpy (and
+    # so skorch's scoring) has not: callbacks get them as without autocast
+    X, y = data()
+    nets = [fit_seeded(cls(
+        LogitsMLP, criterion=torch.nn.CrossEntropyLoss, batch_size=8, **kwargs,
+        **COMMON,
+        callbacks=[('dtypes', RecordTrainOutputDtypes()),
+                   EpochScoring('accuracy', on_train=True, name='train_acc')]),
+        X, y) for cls, kwargs in [
+            (GradAccNeuralNetClassifier, dict(acc_steps=4, mixed_precision='bf16')),
+            (GradAccNeuralNetClassifier, dict(acc_steps=4))]]
+    for net in nets:
+        assert dict(net.callbacks_)['dtypes'].dtypes_ == {torch.float32}
+    # the scores of bf16 passes, close to full precision's
+    np.testing.assert_allclose(*(net.history[:, 'train_acc'] for net in nets),
+                               atol=0.05)
 
 
 class HugeInitialScaleNet(GradAccNeuralNetClassifier):

@@ -354,6 +354,9 @@ def fit(scenario, out_dir):
         if scenario in ('bf16', 'fp16', 'batchnorm', 'micro'):  # shared: every rank
             net.proba_ = torch.as_tensor(net.predict_proba(
                 X if scenario == 'batchnorm' else X[:8]))
+        if scenario == 'bf16':  # validation's outputs and loss, as EpochScoring's
+            step = net.validation_step((torch.as_tensor(X[:8]), torch.as_tensor(y[:8])))
+            net.valid_ = (step['y_pred'], step['loss'])
         return net
     first = make_net(scenario, max_epochs=1).fit(X, y)
     files = {'f_' + name: out_dir / 'epoch1_{}.{}'.format(name, ext) for name, ext
@@ -427,6 +430,7 @@ def run(scenario, out_dir):
     save_rank({
         'params_keys': PARAMS_KEYS + [sorted(net.get_params(deep=False))],
         'proba': getattr(net, 'proba_', None),
+        'valid': getattr(net, 'valid_', None),
         'buffers': {name: buffer.detach().cpu().clone()
                     for name, buffer in net.module_.named_buffers()},
         'criterion': {key: value.detach().cpu() for key, value in getattr(
