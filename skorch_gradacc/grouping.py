@@ -220,7 +220,11 @@ class MicroBatchGroup:
         if self.n_micro_batches == 0:
             micro, self._first = self._first, None
         else:
-            micro = next(self._source, END)  # END: the epoch ends here
+            try:
+                micro = next(self._source, END)  # END: the epoch ends here
+            except Exception as error:
+                error.while_loading = True  # a replay would go on without it
+                raise
             if micro is END:
                 return END
         self.n_micro_batches += 1

@@ -612,7 +612,8 @@ def accumulate_within_budget(net, group, accumulate, **fit_params):
     """Run ``accumulate(group)`` with ``micro_batch_size='auto'``.
 
     Plans the pieces before the first step (:func:`plan_memory`). After an
-    allocation error in a pass, on any rank, gives up the partial gradient,
+    allocation error in a pass (not in loading a micro-batch, which a
+    replay would lose), on any rank, gives up the partial gradient,
     restores the buffers, halves the pieces and runs the group again: the
     same update, without the error (random draws are drawn again). After
     each group, the fit's meter gives the OS what the process holds free
@@ -626,8 +627,8 @@ def accumulate_within_budget(net, group, accumulate, **fit_params):
         try:
             result = accumulate(group, **fit_params)
         except Exception as error:
-            if not (isinstance(error, _OUT_OF_MEMORY_ERRORS)
-                    or getattr(error, 'in_pass', False)):
+            if not (isinstance(error, _OUT_OF_MEMORY_ERRORS) or getattr(
+                    error, 'in_pass', False)) or hasattr(error, 'while_loading'):
                 raise
             size = getattr(error, 'micro_batch_size', None)
         else:

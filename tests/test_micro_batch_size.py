@@ -2,6 +2,8 @@
 ``'auto'`` plans below what fails and backs off on out-of-memory errors,
 keeping the effective batch."""
 
+import copy
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -174,6 +176,29 @@ class TestAutoMicroBatchSize:
         with pytest.raises(RuntimeError) as exc:
             fit_seeded(acc_net, *clf_data)
         assert str(exc.value) == msg
+
+    def test_an_error_in_loading_a_micro_batch_is_not_backed_off(self, clf_data):
+        # a replay would go on without the micro-batch that failed to load
+        # (a collate_fn that moves it to the GPU): the error propagates, and
+        # the group does not step
+        loads = []
+
+        def collate(items):
+            loads.append(len(items))
+            if len(loads) == 3:
+                raise torch.cuda.OutOfMemoryError('CUDA out of memory (simulated)')
+            return torch.utils.data.default_collate(items)
+
+        acc_net, _ = micro_nets('auto', batch_size=8, acc_steps=4,
+                                iterator_train__collate_fn=collate)
+        acc_net.initialize()
+        initial = copy.deepcopy(acc_net.module_.state_dict())
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            acc_net.partial_fit(*clf_data)
+        assert loads == [8, 8, 8]
+        assert backoffs(acc_net) == []
+        for key, value in acc_net.module_.state_dict().items():
+            assert torch.equal(value, initial[key])
 
     @pytest.mark.parametrize('micro_batch_size', [None, 16])
     def test_without_auto_the_error_propagates(self, clf_data,
