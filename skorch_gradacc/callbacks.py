@@ -10,6 +10,7 @@ keep?") says how a callback declares it.
 
 import math
 import warnings
+from collections.abc import Iterable
 
 from skorch.callbacks import BatchScoring, Callback, EpochScoring, ProgressBar
 
@@ -64,6 +65,8 @@ class AccumulationScheduler(Callback):
                 "AccumulationScheduler: schedule must be a dict or a callable, "
                 "got {!r}.".format(self.schedule))
         for epoch, acc_steps in self.schedule.items():
+            check_positive_int('AccumulationScheduler: an epoch of the schedule '
+                               '(epochs count from 1)', epoch)
             self._check(epoch, acc_steps)
 
     def on_epoch_begin(self, net, **kwargs):
@@ -152,7 +155,8 @@ def callback_reads(net, callback):
     declared = getattr(cls, 'train_batch_reads', None)
     own = _own_batch_methods(cls)
     if declared is not None:
-        if isinstance(declared, str) or not set(declared) <= READABLE:
+        if (isinstance(declared, str) or not isinstance(declared, Iterable)
+                or not set(declared) <= READABLE):
             raise ValueError(
                 "{}.train_batch_reads must be a collection of 'X', 'y' and "
                 "'y_pred', e.g. ('y_pred',) or (), got {!r} instead.".format(

@@ -1,6 +1,7 @@
 """Invariant 3: callbacks see one batch per optimizer step, with the whole,
 normalized gradient, and so behave as on the large-batch net."""
 
+import re
 import warnings
 from unittest.mock import Mock
 
@@ -277,12 +278,15 @@ class TestBatchReads:
             warnings.simplefilter('error')
             fit_seeded(acc_net, X, y)
 
-    def test_bad_declaration_raises_before_training(self):
-        class Bad(Callback):
-            train_batch_reads = 'y_pred'  # a string, not a collection
-
+    @pytest.mark.parametrize('declared', ['y_pred', 5, ('X', 'loss')])
+    def test_bad_declaration_raises_before_training(self, declared):
+        # a string, not a collection; no collection; what is not readable
+        Bad = type('Bad', (Callback,), {'train_batch_reads': declared})
         acc_net, _ = make_nets(4, callbacks=[('bad', Bad())])
-        with pytest.raises(ValueError, match="Bad.train_batch_reads must be"):
+        with pytest.raises(ValueError, match=re.escape(
+                "Bad.train_batch_reads must be a collection of 'X', 'y' and "
+                "'y_pred', e.g. ('y_pred',) or (), got {!r} instead.".format(
+                    declared))):
             acc_net.initialize()
 
 

@@ -82,6 +82,11 @@ def test_next_fit_starts_from_the_parameter(clf_data):
     ({1: 2, 3: 2.0}, "^AccumulationScheduler: the acc_steps of epoch 3 must be "
                      r"a positive integer, got 2\.0 instead\.$"),
     ([2, 4], "schedule must be a dict or a callable"),
+    ({'3': 2}, r"^AccumulationScheduler: an epoch of the schedule \(epochs count "
+               r"from 1\) must be a positive integer, got '3' instead\.$"),
+    ({0: 2}, r"an epoch of the schedule \(epochs count from 1\) must be a positive "
+             r"integer, got 0 instead\.$"),
+    ({1.5: 2}, r"got 1\.5 instead\.$"),
 ])
 def test_bad_schedules_fail_before_training(clf_data, schedule, message):
     net = GradAccNeuralNetClassifier(
