@@ -51,9 +51,10 @@ def check_grad_acc_params(net):
     if net._decides_step() and any(
             isinstance(getattr(net, name + '_', None), torch.optim.LBFGS)
             for name in net._optimizers):
-        raise ValueError(
-            "skip_nonfinite=True and mixed_precision='fp16' cannot be used "
-            "with LBFGS, which evaluates the loss several times per step.")
+        raise ValueError("{} cannot be used with LBFGS, which evaluates the loss "
+                         "several times per step.".format(
+                             'skip_nonfinite=True' if net.skip_nonfinite
+                             else "mixed_precision='fp16'"))
 
 
 def check_accelerate(net, mixin):

@@ -127,8 +127,16 @@ def test_bad_values(value):
         'skip_nonfinite must be True or False, got {!r} instead.'.format(value))
 
 
-def test_closure_optimizers_are_refused():
-    net = GradAccNeuralNetClassifier(MLPClassifier, skip_nonfinite=True,
-                                     optimizer=torch.optim.LBFGS)
-    with pytest.raises(ValueError, match='cannot be used with LBFGS'):
+@pytest.mark.parametrize('params, named', [
+    (dict(skip_nonfinite=True), 'skip_nonfinite=True'),
+    (dict(mixed_precision='fp16'), "mixed_precision='fp16'"),
+])
+def test_closure_optimizers_are_refused(params, named):
+    # the message names the option given
+    net = GradAccNeuralNetClassifier(MLPClassifier, optimizer=torch.optim.LBFGS,
+                                     **params)
+    with pytest.raises(ValueError) as exc:
         net.initialize()
+    assert str(exc.value) == (
+        '{} cannot be used with LBFGS, which evaluates the loss several times '
+        'per step.'.format(named))
