@@ -306,6 +306,8 @@ class ShardedMicroBatchGroups:
                                  self.process_group)
         stream, load, template = self._streams()
         per_step = self.acc_steps * self.world_size
+        left = length_or_none(self.micro_batches)  # micro-batches of the steps left
+        left = left if left is None else full_steps(self.micro_batches, left, per_step)
         pending = next(stream, END)  # whether another step starts
         while pending is not END:
             source = _StepSource(pending, stream, load, per_step)
@@ -313,7 +315,12 @@ class ShardedMicroBatchGroups:
             first = next(source, END)
             if first is END:  # nothing of this rank's in this step
                 first = template[0]
-            group = ShardedGroup(first, source, self.acc_steps, keep=self.keep,
+            size = self.acc_steps
+            if left is not None:  # at most this rank's share of the step
+                step = min(per_step, left)
+                left -= step
+                size = max(1, min(size, -(-(step - self.rank) // self.world_size)))
+            group = ShardedGroup(first, source, size, keep=self.keep,
                                  keep_targets=self.keep_targets)
             del first
             yield group

@@ -714,6 +714,29 @@ def test_a_streams_length_is_no_limit_over_ranks_when_workers_split_it(tmp_path)
     assert net.history[-1, 'batches', :, 'train_batch_size'] == [32, 32, 32, 5]
 
 
+def test_an_acc_steps_beyond_the_epoch_plans_the_epochs_micro_batches_over_ranks(
+        tmp_path):
+    # as in one process, a rank's group holds at most its share of the
+    # micro-batches left: the plan counts those kept, not acc_steps of them
+    # (10 ** 6 micro-batches of 8 rows would need about 700 MB)
+    X, y = classification_data(203)
+    params = dict(batch_size=8, acc_steps=10 ** 6, max_epochs=1, train_split=None,
+                  verbose=0, micro_batch_size='auto', memory_budget='300MiB')
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(MLPClassifier, **params).fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    single = GradAccNeuralNetClassifier(MLPClassifier, **params).fit(X, y)
+    assert net.history[-1, 'batches', :, 'train_batch_size'] == [203]
+    for key, value in single.module_.state_dict().items():
+        torch.testing.assert_close(net.module_.module.state_dict()[key], value,
+                                   rtol=0, atol=PARAM_ATOL)
+
+
 class LoaderOfItsOwn(torch.utils.data.DataLoader):
     """A DataLoader subclass: read whole by every rank, not sharded."""
 
