@@ -404,13 +404,30 @@ class DataParallelEngine(Engine):
             for index, n in enumerate(rows) if n]
         shares = [None] * self.world_size
         dist.all_gather_object(shares, mine, group=self.process_group)
-        ordered = [share[index] for index in range(max(map(len, shares)))
-                   for share in shares if index < len(share)]
+        order = [(rank, index) for index in range(max(map(len, shares)))
+                 for rank, share in enumerate(shares) if index < len(share)]
+        ordered = [shares[rank][index] for rank, index in order]
         if kept is not None:
-            group.share(concat_outputs([batch for batch, _ in ordered]))
+            group.share(concat_outputs([batch for batch, _ in ordered]),
+                        self._own_rows(order, ordered, rows) if group.keep else ())
         if y_pred is not None:
             step = dict(step, y_pred=concat_outputs([out for _, out in ordered]))
         return step
+
+    def _own_rows(self, order, ordered, rows):
+        """Return where this rank's micro-batches are in the step's batch.
+
+        ``(index, rows)`` for each with rows: its index in the group, and
+        its rows (a slice) in the batch of ``ordered``, whose ranks and
+        indices are ``order``.
+        """
+        own = iter([index for index, n in enumerate(rows) if n])
+        me, end, found = dist.get_rank(self.process_group), 0, []
+        for (rank, _), (batch, _) in zip(order, ordered):
+            start, end = end, end + batch_len(batch)
+            if rank == me:
+                found.append((next(own), slice(start, end)))
+        return found
 
     def all_ranks(self, ok):
         """Return whether ``ok`` holds on every rank (one all-reduce)."""

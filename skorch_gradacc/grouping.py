@@ -11,11 +11,17 @@ asked to (see
 :meth:`~skorch_gradacc.GradAccMixin.get_train_outputs_needed`).
 """
 
+import itertools
 import math
 
 import torch
 
-from skorch_gradacc.batching import batch_len, concat_outputs, length_or_none
+from skorch_gradacc.batching import (
+    batch_len,
+    concat_outputs,
+    length_or_none,
+    take_rows,
+)
 
 __all__ = ['MicroBatchGroup', 'MicroBatchGroups']
 
@@ -210,6 +216,7 @@ class MicroBatchGroup:
         self.rows_in_flight = 0
         self.micro_rows = []
         self.shared = None
+        self._joined = None
         self.global_rows = None
         self._exhausted = False
 
@@ -279,20 +286,32 @@ class MicroBatchGroup:
         return self._kept if self.keep else (
             self._targets if self.keep_targets else None)
 
-    def share(self, whole):
+    def share(self, whole, own=()):
         """Give the callbacks ``whole``, what :meth:`kept` keeps over all ranks.
 
         The batch of the step's micro-batches, or its targets (the inputs
-        stay released).
+        stay released). ``own`` gives ``(index, rows)`` of this rank's
+        micro-batches in ``whole``: they train as those rows, as in one
+        process (:meth:`_whole`).
         """
         self.shared = whole if self.keep else (_ReleasedInputs(), whole)
+        for index, rows in own:
+            self._kept[index] = take_rows(whole, rows)
 
     def _whole(self):
         if self.shared is not None:
             return self.shared
         if self.keep:
             self.skip_rest()  # pull what is left into the kept list
-            return concat_outputs(self._kept)
+            if self._joined is None:
+                self._joined = whole = concat_outputs(self._kept)
+                # the micro-batches train as rows of the batch the callbacks
+                # get, so that a change in place there (an augmentation in
+                # on_batch_begin) trains, as in plain skorch
+                starts = [0, *itertools.accumulate(self.micro_rows)]
+                self._kept = [take_rows(whole, slice(start, end))
+                              for start, end in zip(starts, starts[1:])]
+            return self._joined
         if self.keep_targets and self._exhausted:
             return (_ReleasedInputs(), concat_outputs(self._targets))
         raise RuntimeError(_RELEASED_MESSAGE)

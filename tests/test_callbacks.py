@@ -325,6 +325,30 @@ class TestBatchReads:
             Bad(**acc_net.get_params()).initialize()
 
 
+class HalvesInputs(Callback):
+    """An augmentation in place, in on_batch_begin."""
+
+    train_batch_reads = ('X',)
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        if training:
+            batch[0].mul_(0.5)
+
+
+@pytest.mark.parametrize('micro_batch_size', [None, 'auto'])
+def test_a_batch_changed_in_place_in_on_batch_begin_trains_changed(
+        clf_data, micro_batch_size):
+    # plain skorch trains on the batch the callbacks got: the micro-batches
+    # are its rows
+    acc_net, plain_net = make_nets(4, iterator_train__shuffle=True,
+                                   callbacks=[('halves', HalvesInputs())])
+    acc_net.set_params(micro_batch_size=micro_batch_size)
+    fit_seeded(acc_net, *clf_data)
+    fit_seeded(plain_net, *clf_data)
+    assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+    assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
+
+
 class SAM(torch.optim.SGD):
     """A sharpness-aware step: the closure is evaluated twice, at the
     parameters and at a point perturbed along the gradient."""

@@ -26,6 +26,7 @@ from skorch.callbacks import (
     Unfreezer,
 )
 from skorch.dataset import Dataset
+from test_callbacks import HalvesInputs
 from test_contracts import RecordStepKeys, ReturnsMore, ReturnsMoreNet
 from test_inputs import (
     ModelOutputMLP,
@@ -839,6 +840,30 @@ def test_a_batch_gathered_for_on_batch_begin_is_not_gathered_again(
     for out, plain_out in zip(*(each['outputs'].outputs_ if reads_outputs else []
                                 for each in (ours, expected)), strict=True):
         torch.testing.assert_close(out, plain_out, rtol=0, atol=1e-12)
+
+
+def test_a_batch_changed_in_place_in_on_batch_begin_trains_changed_over_ranks(
+        tmp_path):
+    # as in one process: the rank's micro-batches train as their rows of the
+    # batch gathered over ranks for on_batch_begin
+    X, y = classification_data(203)
+    params = dict(max_epochs=2, train_split=None, verbose=0,
+                  callbacks=[('halves', HalvesInputs())])
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(MLPClassifier, batch_size=8, acc_steps=4,
+                            **params).fit(X, y)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(MLPClassifier, batch_size=32, **params).fit(X, y)
+    np.testing.assert_allclose(net.history[:, 'train_loss'],
+                               plain.history[:, 'train_loss'], rtol=1e-10)
+    for key, value in plain.module_.state_dict().items():
+        torch.testing.assert_close(net.module_.module.state_dict()[key], value,
+                                   rtol=0, atol=PARAM_ATOL)
 
 
 class ReturnsMoreDDPClassifier(ReturnsMore, DDPClassifier):
