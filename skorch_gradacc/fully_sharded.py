@@ -117,7 +117,12 @@ def modules_to_shard(module, shard_classes=None):
                 visit(child, containers)
 
     visit(module, containers=False)
-    if not units and not explicit:
+    if not units and explicit:  # a name misspelt: the root alone, silently
+        raise ValueError(
+            "shard_classes={!r} matches no submodule of the module; give the "
+            "classes of its blocks, or None for the default units.".format(
+                shard_classes))
+    if not units:
         visit(module, containers=True)
     # FSDP2 manages a parameter in one unit, and only that unit's forward
     # gathers it: a unit whose parameter is tied to one outside it is left

@@ -705,6 +705,15 @@ class TestUnits:
             module[0][0], module[0][1], module[1]]
         assert modules_to_shard(module, [torch.nn.Sequential]) == [module[0]]
 
+    def test_classes_that_match_nothing_are_refused(self):
+        # a misspelt name would leave the root the one unit, silently
+        module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        with pytest.raises(ValueError) as exc:
+            modules_to_shard(module, ['Linaer'])
+        assert str(exc.value) == (
+            "shard_classes=['Linaer'] matches no submodule of the module; give "
+            "the classes of its blocks, or None for the default units.")
+
     @pytest.mark.parametrize('shard_classes', [None, ['Embedding', 'Linear']])
     def test_tied_weights_stay_with_the_module_that_holds_both(self, shard_classes):
         # FSDP2 gathers a parameter in its unit's forward alone: units
