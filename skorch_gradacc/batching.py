@@ -285,10 +285,10 @@ def concat_outputs(outputs):
         shapes = {tuple(out.shape[1:]) for out in tensors}
         if len(shapes) > 1:
             raise ValueError(
-                "Cannot join the outputs of micro-batches whose shapes differ "
-                "beyond the first axis: {}. Outputs of dynamically padded "
-                "micro-batches cannot form one batch; read them per "
-                "micro-batch instead.".format(
+                "Cannot join the micro-batches of a step into one batch for "
+                "the callbacks: their shapes differ beyond the first axis, {}. "
+                "Pad every micro-batch to one length (collate_fn), or have no "
+                "callback read the training batch.".format(
                     sorted(tuple(out.shape) for out in tensors)))
         return torch.cat(tensors)
 

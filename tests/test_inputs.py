@@ -1,5 +1,6 @@
 """Every input type that skorch accepts trains like the large-batch net."""
 
+import copy
 import types
 
 import numpy as np
@@ -7,8 +8,9 @@ import pandas as pd
 import pytest
 import torch
 from skorch import NeuralNet
-from skorch.callbacks import Callback
+from skorch.callbacks import BatchScoring, Callback
 from skorch.dataset import Dataset
+from test_normalization import IGNORE, TokenTagger, token_data
 
 from skorch_gradacc import GradAccNeuralNet
 from skorch_gradacc.batching import concat_outputs, take_rows
@@ -400,6 +402,44 @@ def test_batches_of_three_values(clf_data):
         torch.manual_seed(0)
         net.fit(WeightedDataset(X, y, weight), None)
     check(acc_net, plain_net)
+
+
+def cut_to_the_longest(items):
+    """Dynamic padding: a micro-batch as long as its longest target."""
+    X, y = torch.utils.data.default_collate(items)
+    length = int((y != IGNORE).sum(1).max())
+    return X[:, :length], y[:, :length]
+
+
+class ReadsInputsFirst(Callback):
+    train_batch_reads = ('X',)
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        if training:
+            batch[0]
+
+
+@pytest.mark.parametrize('callback', [
+    BatchScoring(lambda net, X, y: 0.0, on_train=True, name='zero'),
+    ReadsInputsFirst()])
+def test_a_callback_that_reads_dynamically_padded_groups_is_told_why(callback):
+    # the micro-batches of a step cannot form one batch (outputs, inputs):
+    # the first step raises before it changes anything, saying what to do
+    X, y = token_data()
+    net = GradAccNeuralNet(
+        TokenTagger, criterion=torch.nn.CrossEntropyLoss,
+        criterion__ignore_index=IGNORE, batch_size=4, acc_steps=4, verbose=0,
+        train_split=None, iterator_train__collate_fn=cut_to_the_longest,
+        callbacks=[callback]).initialize()
+    initial = copy.deepcopy(net.module_.state_dict())
+    with pytest.raises(ValueError, match=(
+            r"^Cannot join the micro-batches of a step into one batch for the "
+            r"callbacks: their shapes differ beyond the first axis, \[.*\]\. Pad "
+            r"every micro-batch to one length \(collate_fn\), or have no callback "
+            r"read the training batch\.$")):
+        net.partial_fit(X, y)
+    for key, value in net.module_.state_dict().items():
+        assert torch.equal(value, initial[key])
 
 
 class AugmentedRows(torch.utils.data.Dataset):
