@@ -9,12 +9,19 @@ Inside skorch, use :class:`skorch_gradacc.GradAccMixin` instead.
 """
 
 
+import weakref
+
 import torch
 
 from skorch_gradacc.batching import check_positive_int
 from skorch_gradacc.counting import ItemCounts, scale_gradients
 
 __all__ = ['AccumGrad']
+
+
+# the AccumGrad that steps and updates each GradScaler: one per scaler, as
+# its update() changes the scale that every other would unscale with
+_SCALER_OWNERS = weakref.WeakKeyDictionary()
 
 
 class AccumGrad(torch.optim.Optimizer):
@@ -102,6 +109,12 @@ class AccumGrad(torch.optim.Optimizer):
             raise TypeError(
                 "grad_scaler must be a torch.amp.GradScaler or None, got {!r} "
                 "instead.".format(grad_scaler))
+        owner = grad_scaler and _SCALER_OWNERS.get(grad_scaler, lambda: None)()
+        if owner is not None and owner.optimizer is not optimizer:
+            raise ValueError(
+                "grad_scaler is given to another AccumGrad already, whose update "
+                "would change its scale before this one unscales; wrap one "
+                "optimizer, with a param group per part, instead.")
         if not (isinstance(reduction, str) and reduction in ('mean', 'sum')):
             raise ValueError(
                 "reduction must be 'mean' or 'sum', got {!r} instead."
@@ -109,6 +122,8 @@ class AccumGrad(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.acc_steps = acc_steps
         self.grad_scaler = grad_scaler
+        if grad_scaler is not None:
+            _SCALER_OWNERS[grad_scaler] = weakref.ref(self)
         self.reduction = reduction
         self.stepped = False
         self._updated = False

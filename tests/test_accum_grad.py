@@ -6,6 +6,7 @@ agree to ``PARAM_ATOL``.
 """
 
 import copy
+import gc
 import inspect
 import pickle
 import re
@@ -921,6 +922,28 @@ class TestClippingAndMixedPrecision:
         assert model[0].weight.grad is not None
         assert max_diff(model, make_model().float()) > 1e-2
         assert max_diff(model, large) < 1e-4  # float16 rounding
+
+
+    def test_a_grad_scaler_steps_with_one_wrapper(self):
+        # a second wrapper would unscale with the scale the first's update()
+        # changed (3.9e-2 off PyTorch's recipe for two optimizers): refused;
+        # the same optimizer wrapped again, or after the first is gone, is not
+        model = make_model()
+        scaler = torch.amp.GradScaler('cpu')
+        first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        opt = AccumGrad(first, 2, grad_scaler=scaler)
+        with pytest.raises(ValueError) as exc:
+            AccumGrad(torch.optim.SGD(model[2].parameters(), lr=0.1), 2,
+                      grad_scaler=scaler)
+        assert str(exc.value) == (
+            "grad_scaler is given to another AccumGrad already, whose update "
+            "would change its scale before this one unscales; wrap one "
+            "optimizer, with a param group per part, instead.")
+        AccumGrad(first, 3, grad_scaler=scaler)
+        del opt
+        gc.collect()
+        AccumGrad(torch.optim.SGD(model[2].parameters(), lr=0.1), 2,
+                  grad_scaler=scaler)
 
 
 def accum_sgd(params, acc_steps=1, **kwargs):
