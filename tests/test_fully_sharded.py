@@ -37,6 +37,7 @@ from skorch_gradacc.fully_sharded import FullyShardedEngine, modules_to_shard
 from conftest import (
     DTYPE,
     PARAM_ATOL,
+    RecordsStepBatches,
     ShiftedTemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
@@ -201,6 +202,18 @@ def test_gradient_clipping_sees_the_whole_gradient(fsdp, oracle):
     unclipped = oracle.module_.state_dict()
     assert max((state[key] - value).abs().max()
                for key, value in unclipped.items()) > 1e-2
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_callbacks_see_each_steps_batch_over_all_ranks(fsdp):
+    # in on_batch_begin and on_grad_computed, the batch is the step's over
+    # all ranks, in the large batch's order: the single process's
+    net = plain_classifier(callbacks=[('steps', RecordsStepBatches())])
+    expected = dict(net.callbacks_)['steps'].records_
+    assert [kind for kind, _ in expected] == ['begin', 'grad'] * 2 * 5
+    for rank in fsdp.ranks('samples'):
+        assert rank['step_batches'] == expected
 
 
 @pytest.mark.slow  # torchrun

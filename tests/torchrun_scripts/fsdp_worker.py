@@ -6,7 +6,8 @@ after another, see worker_common.py)
 
 * ``samples``: a classifier on 195 rows, micro-batches of 8,
   ``acc_steps=3``; rank 1 has no micro-batch in each epoch's last step;
-* ``samples_each``: the same with ``sync_each_batch=True``;
+* ``samples_each``: the same with ``sync_each_batch=True``; ``samples``
+  records what callbacks see of each step's batch;
 * ``tokens``: a token-level loss whose item counts differ between ranks,
   shuffled, on 117 rows: in each epoch's last step rank 0 has two
   micro-batches and rank 1 one, and a zero-row pass;
@@ -77,6 +78,7 @@ from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
 
 from conftest import (
     DTYPE,
+    RecordsStepBatches,
     RefusesZeroRows,
     ShiftedTemperedNLL,
     classification_data,
@@ -308,6 +310,8 @@ def make_net(scenario, max_epochs=2, X=None):
         common['device'] = 'cuda:{}'.format(os.environ['LOCAL_RANK'])
     if scenario == 'clip':
         common['callbacks'] = [GradientNormClipping(CLIP_NORM)]
+    if scenario == 'samples':  # what callbacks see of each step's batch
+        common['callbacks'] = [('steps', RecordsStepBatches())]
     if scenario == 'criterion':
         common.update(criterion=ShiftedTemperedNLL, optimizer__weight_decay=0.01)
     if scenario == 'compile':
@@ -431,6 +435,7 @@ def run(scenario, out_dir):
         'params_keys': PARAMS_KEYS + [sorted(net.get_params(deep=False))],
         'proba': getattr(net, 'proba_', None),
         'valid': getattr(net, 'valid_', None),
+        'step_batches': getattr(dict(net.callbacks_).get('steps'), 'records_', None),
         'buffers': {name: buffer.detach().cpu().clone()
                     for name, buffer in net.module_.named_buffers()},
         'criterion': {key: value.detach().cpu() for key, value in getattr(
