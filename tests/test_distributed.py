@@ -795,18 +795,11 @@ def test_a_0d_output_reaches_callbacks_whole_over_ranks(tmp_path):
     np.testing.assert_allclose(ours, expected, rtol=1e-12)
 
 
-class RecordsStepOutputs(Callback):
-    """Keeps each training step's outputs."""
+class RecordsStepOutputs(RecordOutputs):
+    """Keeps each training step's outputs, a tensor."""
 
-    train_batch_reads = ('y_pred',)
-
-    def initialize(self):
-        self.outputs_ = []
-        return self
-
-    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
-        if training:
-            self.outputs_.append(y_pred.detach().clone())
+    def record(self, y_pred):
+        return y_pred.detach().clone()
 
 
 @pytest.mark.parametrize('reads_outputs, gathers_per_step', [(False, 1), (True, 2)])
