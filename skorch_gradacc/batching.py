@@ -435,6 +435,17 @@ def check_positive_int(name, value, others=''):
                          .format(name, others, value))
 
 
+def check_bool(name, value):
+    """Raise a ValueError unless ``value`` is True or False.
+
+    NumPy's bools count, as a grid search over ``np.array([True, False])``
+    gives them.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError("{} must be True or False, got {!r} instead.".format(
+            name, value))
+
+
 def _distributed():
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()

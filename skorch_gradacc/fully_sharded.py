@@ -18,6 +18,7 @@ from skorch.utils import _check_f_arguments
 
 from skorch_gradacc.batching import (
     FSDP2_TORCH,
+    check_bool,
     padding_batch,
     uncompiled,
 )
@@ -374,10 +375,7 @@ class FullyShardedGradAccMixin(RankZeroCheckpointMixin,
     # Validation
 
     def _check_fsdp_params(self):
-        if not isinstance(self.sync_each_batch, bool):
-            raise ValueError(
-                "sync_each_batch must be True or False, got {!r} instead."
-                .format(self.sync_each_batch))
+        check_bool('sync_each_batch', self.sync_each_batch)
         classes = self.shard_classes
         if classes is not None and (
                 isinstance(classes, (str, type)) or not all(

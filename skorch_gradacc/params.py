@@ -14,18 +14,11 @@ import sys
 
 import torch
 
-from skorch_gradacc.batching import check_positive_int
+from skorch_gradacc.batching import check_bool, check_positive_int
 from skorch_gradacc.memory import parse_budget
 from skorch_gradacc.precision import AUTOCAST_DTYPES
 
 __all__ = []
-
-
-def check_bool(name, value):
-    """Raise the ValueError of a parameter ``name`` that is not a bool."""
-    if not isinstance(value, bool):
-        raise ValueError("{} must be True or False, got {!r} instead.".format(
-            name, value))
 
 
 def check_grad_acc_params(net):

@@ -792,9 +792,12 @@ class TestValidation:
             net.initialize()
         assert str(excinfo.value) == message
 
-    def test_a_process_group_is_needed(self):
+    @pytest.mark.parametrize('sync_each_batch', [False, np.True_])
+    def test_a_process_group_is_needed(self, sync_each_batch):
+        # past the parameters' checks: NumPy's bools are bools
+        net = FSDPNet(sequential_classifier, sync_each_batch=sync_each_batch)
         with pytest.raises(RuntimeError, match='start the script with torchrun'):
-            FSDPNet(sequential_classifier).initialize()
+            net.initialize()
 
     def test_a_checkpoint_that_pickles_is_refused_before_training(
             self, tmp_path):

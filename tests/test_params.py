@@ -51,6 +51,18 @@ class TestValidation:
         assert net.history[-1, 'train_batch_count'] == int(
             np.ceil(n_micro_batches / acc_steps))
 
+    def test_numpy_bools_are_bools(self, clf_data):
+        # a grid over np.array([True, False]) gives NumPy bools, which
+        # skorch's own bool parameters take
+        X, y = clf_data
+        search = GridSearchCV(
+            make_net(acc_steps=2, train_split=None, max_epochs=1),
+            {'skip_nonfinite': np.array([True, False]),
+             'check_loss': np.array([False])}, cv=2, error_score='raise')
+        search.fit(X, y)
+        assert type(search.best_params_['skip_nonfinite']) is np.bool_
+        assert len(search.best_estimator_.history) == 1
+
 
 class TestSklearnApi:
     def test_get_set_params_and_clone(self):
