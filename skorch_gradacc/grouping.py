@@ -337,6 +337,19 @@ class MicroBatchGroup:
             type(self).__name__, self.n_micro_batches, self.n_rows)
 
 
+def forget_unloaded_group(history, prefix, error):
+    """Drop the history's row of a group whose micro-batches failed to load.
+
+    Plain skorch loads a batch before ``on_batch_begin`` adds its row, so a
+    batch that fails to load has none. A group loads its micro-batches past
+    the first after it: its row goes, unless the step recorded its loss.
+    """
+    batches = history[-1]['batches'] if len(history) else []
+    if getattr(error, 'while_loading', False) and batches and (
+            prefix + '_loss' not in batches[-1]):
+        batches.pop()
+
+
 _RELEASED_MESSAGE = (
     "This training batch was released after its backward pass. A callback "
     "(or net) that reads it declares so in its class, e.g. train_batch_reads "

@@ -44,7 +44,7 @@ from skorch_gradacc.engine import (
     engine_for,
     learnable_gradients,
 )
-from skorch_gradacc.grouping import MicroBatchGroup
+from skorch_gradacc.grouping import MicroBatchGroup, forget_unloaded_group
 from skorch_gradacc.memory import (
     accumulate_within_budget,
     eval_pieces,
@@ -183,9 +183,8 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
     def check_training_readiness(self):
         """Check that the net is ready to train, its own parameters included."""
         super().check_training_readiness()
-        # set_params() does not run _validate_params for ordinary attributes,
-        # so a bad value set after initialization is caught here, before any
-        # training happens.
+        # set_params() does not run _validate_params for ordinary attributes:
+        # a bad value set after initialization is caught here, before training
         check_grad_acc_params(self)
         check_accelerate(self, GradAccMixin)
 
@@ -209,9 +208,8 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
     def initialize_virtual_params(self):
         """Initialize virtual params, and ``'auto'``'s plan and fp16's scaler anew."""
         # the first step of skorch's initialize, and of AccelerateMixin's copy
-        self.micro_batch_size_ = None
+        self.micro_batch_size_ = self.grad_scaler_ = None
         self.memory_plan_ = self._plan_verify_ = None
-        self.grad_scaler_ = None
         return super().initialize_virtual_params()
 
     def fit(self, X, y=None, **fit_params):
@@ -336,19 +334,22 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
             iterator = self.get_engine().groups(
                 iterator, self.get_acc_steps(), keep=needed['batch'],
                 keep_targets=needed['y'], share_inputs=needed['at_begin'])
-        return super().run_single_epoch(
-            iterator, training, prefix, step_fn, **fit_params)
+        try:
+            return super().run_single_epoch(
+                iterator, training, prefix, step_fn, **fit_params)
+        except Exception as error:
+            forget_unloaded_group(self.history, prefix, error)
+            raise
 
     # The step
 
     def train_step(self, batch, **fit_params):
         """Take one optimizer step on a group of micro-batches.
 
-        skorch's ``train_step``, with the gradient of
-        :meth:`accumulate_gradients`. An exception midway discards the
-        partial gradient; the optimizers have not stepped. Where callbacks
-        read the batch or outputs, the engine gives those of all ranks
-        (:meth:`~skorch_gradacc.engine.Engine.share_step`).
+        skorch's ``train_step``, with the gradient of :meth:`accumulate_gradients`.
+        An exception midway discards the partial gradient; the optimizers have
+        not stepped. Where callbacks read the batch or outputs, the engine
+        gives those of all ranks (:meth:`~skorch_gradacc.engine.Engine.share_step`).
         """
         if not isinstance(batch, MicroBatchGroup):  # plain skorch's training
             return super().train_step(batch, **fit_params)
@@ -373,8 +374,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         try:
             self._step_optimizer(step_fn)
         except BaseException:
-            # An error or Ctrl-C in the middle of the group: the optimizers
-            # have not stepped, and the partial gradient must not survive.
+            # midway (an error, Ctrl-C): no optimizer stepped; drop the partial gradient
             self._zero_grad_optimizer()
             raise
         return _as_skorch_step(step_accumulator.get_step())

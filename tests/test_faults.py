@@ -22,6 +22,7 @@ from conftest import (
     fit_seeded,
     make_nets,
     max_param_diff,
+    param_diff,
 )
 
 POISON = 1e6  # a feature value that makes PoisonedMLP raise
@@ -131,6 +132,49 @@ class TestBrokenGroup:
         torch.manual_seed(1), reference.partial_fit(clean, y)
         for key, value in net.module_.state_dict().items():
             assert torch.equal(value, reference.module_.state_dict()[key])
+
+
+class FailsToLoad(torch.utils.data.Dataset):
+    """Raises KeyError on loading row ``bad``."""
+
+    def __init__(self, X, y, bad):
+        self.X, self.y, self.bad = X, y, bad
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            raise KeyError('row {} cannot be loaded'.format(index))
+        return self.X[index], self.y[index]
+
+
+class ReadsBatchFirst(Callback):
+    """Reads X in on_batch_begin: the group loads its micro-batches there."""
+
+    train_batch_reads = ('X',)
+
+    def on_batch_begin(self, net, batch=None, training=False, **kwargs):
+        if training:
+            self.rows_ = len(batch[0])
+
+
+@pytest.mark.parametrize('callbacks', [[], [ReadsBatchFirst()]])
+def test_a_micro_batch_that_fails_to_load_leaves_plain_skorchs_history(callbacks):
+    # plain skorch loads its batch before on_batch_begin, which adds the
+    # history's row: the group that fails past its first micro-batch has none
+    X, y = classification_data(100)
+    acc_net, plain_net = make_nets(4, callbacks=callbacks, train_split=None,
+                                   iterator_train__shuffle=False)
+    for net in (acc_net, plain_net):
+        with pytest.raises(KeyError, match='row 45 cannot be loaded'):
+            fit_seeded(net, FailsToLoad(X, y, bad=45), None)
+    rows, plain_rows = (net.history[-1, 'batches'] for net in (acc_net, plain_net))
+    assert len(rows) == len(plain_rows) == 1  # the first step's
+    assert rows[0].keys() == plain_rows[0].keys()
+    assert rows[0]['train_loss'] == pytest.approx(plain_rows[0]['train_loss'],
+                                                  rel=1e-12)
+    assert param_diff(acc_net, plain_net) < PARAM_ATOL
 
 
 class InterruptSecondStep(Callback):
