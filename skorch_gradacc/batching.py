@@ -383,14 +383,17 @@ def _planned_sizes(most):
 def length_or_none(iterable):
     """Return ``len(iterable)``, or None if it has no length it keeps.
 
-    None for a DataLoader over an ``IterableDataset`` without a length, and
-    over one with loading workers: its length is then torch's estimate from
-    the dataset's ``__len__``, and workers that split the stream may yield
-    more batches (each its own short last one).
+    None for a DataLoader over an ``IterableDataset``: its length is torch's
+    estimate from the dataset's ``__len__``, and torch (plain skorch too)
+    reads the stream to its end, which may yield more batches (workers that
+    split it, each with its own short last one, or a ``__len__`` too small).
+    Kept for one that drops a short last batch (``drop_last``) without
+    workers: the large batch's short last one is dropped.
     """
     data = torch.utils.data
-    if isinstance(iterable, data.DataLoader) and iterable.num_workers and isinstance(
-            iterable.dataset, data.IterableDataset):
+    if isinstance(iterable, data.DataLoader) and isinstance(
+            iterable.dataset, data.IterableDataset) and (
+                iterable.num_workers or not iterable.drop_last):
         return None
     try:
         return len(iterable)

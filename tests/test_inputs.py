@@ -2,6 +2,7 @@
 
 import copy
 import types
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -310,6 +311,31 @@ def test_iterable_dataset_of_unknown_length(clf_data):
     acc_net, plain_net = fit_pair(4, StreamDataset(X, y), None,
                                   train_split=None)
     # the partial group at the end is stepped: 203 = 6 * 32 + 11
+    sizes = [row['train_batch_size'] for row in acc_net.history[-1, 'batches']]
+    assert sizes == [32] * 6 + [11]
+    check(acc_net, plain_net)
+
+
+class ClaimedStreamDataset(StreamDataset):
+    """A stream whose ``__len__`` says ``claimed`` rows."""
+
+    def __init__(self, X, y, claimed):
+        super().__init__(X, y)
+        self.claimed = claimed
+
+    def __len__(self):
+        return self.claimed
+
+
+@pytest.mark.parametrize('claimed', [120, 203, 400])
+def test_a_stream_trains_to_its_end_whatever_its_len_says(clf_data, claimed):
+    # torch warns of a stream longer than its __len__, and reads it to its
+    # end, as plain skorch does: so does the group loop
+    X, y = clf_data
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', 'Length of IterableDataset')
+        acc_net, plain_net = fit_pair(4, ClaimedStreamDataset(X, y, claimed),
+                                      None, train_split=None)
     sizes = [row['train_batch_size'] for row in acc_net.history[-1, 'batches']]
     assert sizes == [32] * 6 + [11]
     check(acc_net, plain_net)

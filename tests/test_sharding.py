@@ -26,6 +26,17 @@ class Stream(IterableDataset):
             yield self.data[start:start + self.size]
 
 
+class ClaimedStream(Stream):
+    """A stream whose ``__len__`` says ``claimed`` micro-batches."""
+
+    def __init__(self, data, size, claimed):
+        super().__init__(data, size)
+        self.claimed = claimed
+
+    def __len__(self):
+        return self.claimed
+
+
 def loader(n_rows, iterable=False, drop_last=False):
     data = torch.arange(float(n_rows))
     if iterable:
@@ -60,6 +71,23 @@ def test_the_ranks_share_the_steps_of_one_process_with_more_acc_steps(
         assert len(steps) == len(single)
         for step, group in zip(steps, single):
             assert step == (group[rank::world_size] or [[]])
+
+
+@pytest.mark.parametrize('claimed', [3, 40])
+@pytest.mark.parametrize('world_size, acc_steps', WORLDS)
+def test_a_streams_claimed_length_is_not_trusted(claimed, world_size, acc_steps):
+    # torch, and plain skorch, read a stream to its end whatever its
+    # __len__ says: 12 micro-batches here
+    data = torch.arange(23.)
+    claims = DataLoader(ClaimedStream(data, 2, claimed), batch_size=None)
+    truth = DataLoader(Stream(data, 2), batch_size=None)
+    for per_step in (acc_steps, acc_steps * world_size):
+        groups = [[[micro.tolist() for micro in group.micro_batches()]
+                   for group in MicroBatchGroups(micro_batches, per_step)]
+                  for micro_batches in (claims, truth)]
+        assert groups[0] == groups[1]
+    assert shares(claims, acc_steps, world_size) == shares(
+        truth, acc_steps, world_size)
 
 
 @pytest.mark.parametrize('n_rows', [1, 5, 16, 23, 49])
