@@ -295,6 +295,12 @@ class MicroBatchGroup:
         process (:meth:`_whole`).
         """
         self.shared = whole if self.keep else (_ReleasedInputs(), whole)
+        self._train_as_rows_of(whole, own)
+
+    def _train_as_rows_of(self, whole, own):
+        # the micro-batches train as rows of the batch the callbacks get, so
+        # that a change in place there (an augmentation in on_batch_begin)
+        # trains, as in plain skorch; the views replace them: no extra memory
         for index, rows in own:
             self._kept[index] = take_rows(whole, rows)
 
@@ -304,13 +310,10 @@ class MicroBatchGroup:
         if self.keep:
             self.skip_rest()  # pull what is left into the kept list
             if self._joined is None:
-                self._joined = whole = concat_outputs(self._kept)
-                # the micro-batches train as rows of the batch the callbacks
-                # get, so that a change in place there (an augmentation in
-                # on_batch_begin) trains, as in plain skorch
+                self._joined = concat_outputs(self._kept)
                 starts = [0, *itertools.accumulate(self.micro_rows)]
-                self._kept = [take_rows(whole, slice(start, end))
-                              for start, end in zip(starts, starts[1:])]
+                self._train_as_rows_of(self._joined, enumerate(
+                    map(slice, starts, starts[1:])))
             return self._joined
         if self.keep_targets and self._exhausted:
             return (_ReleasedInputs(), concat_outputs(self._targets))

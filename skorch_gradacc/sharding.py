@@ -254,11 +254,12 @@ class ShardedMicroBatchGroups:
         return step_count(self.micro_batches, self.acc_steps * self.world_size)
 
     def _streams(self):
-        """Return the global stream of items, a loader and a template.
+        """Return the global stream of items, a loader, a template and the count.
 
         The loader loads the next of this rank's micro-batches, where the
         stream holds placeholders for them; the template is filled with a
-        zero-row micro-batch once one is seen.
+        zero-row micro-batch once one is seen; the count is of the
+        micro-batches in whole steps, or None without a length.
         """
         count = length_or_none(self.micro_batches)
         steps = None if count is None else full_steps(
@@ -286,7 +287,7 @@ class ShardedMicroBatchGroups:
                         _OTHER_RANKS)
                 read_to_the_end(own, shard)  # as every rank's sampler
 
-            return stream(), load, template
+            return stream(), load, template, steps
 
         def full():
             source = iter(self.micro_batches)
@@ -298,16 +299,15 @@ class ShardedMicroBatchGroups:
                 del micro
             read_to_the_end(source, self.micro_batches)
 
-        return full(), None, template
+        return full(), None, template, steps
 
     def __iter__(self):
         if self.sync_rng:
             broadcast_rng_states(self.micro_batches, self.device,
                                  self.process_group)
-        stream, load, template = self._streams()
+        # left: the micro-batches of the steps left
+        stream, load, template, left = self._streams()
         per_step = self.acc_steps * self.world_size
-        left = length_or_none(self.micro_batches)  # micro-batches of the steps left
-        left = left if left is None else full_steps(self.micro_batches, left, per_step)
         pending = next(stream, END)  # whether another step starts
         while pending is not END:
             source = _StepSource(pending, stream, load, per_step)
