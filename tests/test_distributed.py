@@ -28,6 +28,7 @@ from skorch.callbacks import (
 from skorch.dataset import Dataset
 from test_callbacks import HalvesInputs
 from test_contracts import RecordStepKeys, ReturnsMore, ReturnsMoreNet
+from test_faults import FailsToLoad
 from test_inputs import (
     ModelOutputMLP,
     NLLOfOutputs,
@@ -854,6 +855,34 @@ def test_a_batch_changed_in_place_in_on_batch_begin_trains_changed_over_ranks(
     plain = NeuralNetClassifier(MLPClassifier, batch_size=32, **params).fit(X, y)
     np.testing.assert_allclose(net.history[:, 'train_loss'],
                                plain.history[:, 'train_loss'], rtol=1e-10)
+    for key, value in plain.module_.state_dict().items():
+        torch.testing.assert_close(net.module_.module.state_dict()[key], value,
+                                   rtol=0, atol=PARAM_ATOL)
+
+
+def test_a_micro_batch_that_fails_to_load_leaves_plain_skorchs_history_over_ranks(
+        tmp_path):
+    # as in one process: no row for the step that never began to train
+    X, y = classification_data(100)
+    params = dict(max_epochs=1, train_split=None, verbose=0,
+                  iterator_train__shuffle=False)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = DDPClassifier(MLPClassifier, batch_size=8, acc_steps=4, **params)
+        with pytest.raises(KeyError, match='row 45 cannot be loaded'):
+            net.fit(FailsToLoad(X, y, bad=45), None)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(MLPClassifier, batch_size=32, **params)
+    with pytest.raises(KeyError, match='row 45 cannot be loaded'):
+        plain.fit(FailsToLoad(X, y, bad=45), None)
+    rows, plain_rows = (each.history[-1, 'batches'] for each in (net, plain))
+    assert len(rows) == len(plain_rows) == 1
+    assert rows[0]['train_loss'] == pytest.approx(plain_rows[0]['train_loss'],
+                                                  rel=1e-12)
     for key, value in plain.module_.state_dict().items():
         torch.testing.assert_close(net.module_.module.state_dict()[key], value,
                                    rtol=0, atol=PARAM_ATOL)
