@@ -988,7 +988,7 @@ def test_what_loading_a_batch_left_free_is_not_the_steps():
     # them (it gave them back first), so later steps that kept them resident
     # peaked above the plan (the benchmark's regressor: 29 MiB, planned 27;
     # here 33-38 MiB, over the budget, planned 28-29). The prediction is
-    # not held to the MiB: with the machine busy, 1 fit in 40 measured 2-5
+    # not held to the MiB: with the machine busy, 4 fits in 100 measured 2-5
     # MiB above it (a later batch's loading, on a heap laid out otherwise),
     # within the budget
     measured, predicted, margin = map(float, fit_loading(
