@@ -17,7 +17,6 @@ import warnings
 
 import numpy as np
 import torch
-from skorch.dataset import unpack_data
 
 from skorch_gradacc.batching import (
     arrays_in,
@@ -112,7 +111,7 @@ def count_items(criteria, batch):
       The net's criteria (``net.criterion_`` and any others it registered).
 
     batch
-      A micro-batch ``(X, y)``.
+      A micro-batch ``(X, y)``, or ``(X, y, ...)`` (a sample weight, say).
 
     Returns
     -------
@@ -135,7 +134,7 @@ def count_items(criteria, batch):
     if not rules or any(rule != rules[0] for rule in rules[1:]):
         return rows
     rule = rules[0]
-    y = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+    y = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else None
     if rule == 'rows' or not isinstance(y, torch.Tensor):
         return rows
     if rule == 'elements':
@@ -540,7 +539,7 @@ def check_loss_is_mean(net, batch, **fit_params):
     their rows), in eval mode, without gradient and without side effects
     (see :func:`snapshot_buffers`). Returns whether the check goes on:
     False after a warning, with several ranks and for batches that are
-    not ``(X, y)`` (unchecked), and with a warning where the passes raise
+    not ``(X, y, ...)`` (unchecked), and with a warning where the passes raise
     (a ``train_step_single`` of the user's that prepares ``X``, a module
     whose output in training differs): the training pass shows the user's
     own errors. True where the loss agrees, or its passes cannot decide (no
@@ -549,7 +548,7 @@ def check_loss_is_mean(net, batch, **fit_params):
     """
     if n_ranks() > 1:
         return False  # each rank's forward may take part in collectives
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    if not (isinstance(batch, (tuple, list)) and len(batch) >= 2):
         return False  # trained by the user's own train_step_single
     rows = batch_len(batch)
     if rows < 2:
@@ -565,7 +564,7 @@ def check_loss_is_mean(net, batch, **fit_params):
             warnings.simplefilter('ignore')
             losses = []
             for piece in pieces:
-                Xi, yi = unpack_data(piece)
+                Xi, yi = piece[:2]  # a sample weight after them: the user's
                 y_pred = net.infer(Xi, **fit_params)
                 loss = net.get_loss(y_pred, yi, X=Xi, training=True)
                 losses.append(float(loss))

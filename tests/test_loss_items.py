@@ -170,6 +170,62 @@ def test_an_ignore_index_of_zero_matches_the_large_batch(loss_check_errors):
                                plain_net.history[:, 'train_loss'], rtol=1e-10)
 
 
+class WithSampleWeights(torch.utils.data.Dataset):
+    """Yields ``(X, y, sample_weight)``: three values per sample."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return self.X[i], self.y[i], 1.0
+
+
+class TakesSampleWeights:
+    """A user's train_step_single for batches of three values; weights of
+    1 leave the criterion's mean over tokens as it is."""
+
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        Xi, yi, weights = batch
+        y_pred = self.infer(Xi, **fit_params)
+        loss = weights.mean() * self.get_loss(y_pred, yi, X=Xi, training=True)
+        loss.backward()
+        return {'loss': loss, 'y_pred': y_pred}
+
+
+def test_a_batch_of_three_values_counts_its_second(loss_check_errors):
+    # y is the second of (X, y, sample_weight) too: its tokens are counted,
+    # not its rows, and the check sees the token loss as a mean
+    X, y = token_data()
+    three = (torch.as_tensor(X), torch.as_tensor(y), torch.ones(len(y)))
+    assert count_items([torch.nn.CrossEntropyLoss(ignore_index=IGNORE)], three) == (
+        y != IGNORE).sum() != len(y)
+    acc_net, plain_net = token_nets(GradAccNeuralNet)
+    acc_net = type('AccNet', (TakesSampleWeights, GradAccNeuralNet), {})(
+        **acc_net.get_params())
+    plain_net = type('PlainNet', (TakesSampleWeights, NeuralNet), {})(
+        **plain_net.get_params())
+    fit_seeded(acc_net, WithSampleWeights(X, y), None)
+    fit_seeded(plain_net, WithSampleWeights(X, y), None)
+    state = plain_net.module_.state_dict()
+    for key, value in acc_net.module_.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=PARAM_ATOL)
+    np.testing.assert_allclose(acc_net.history[:, 'train_loss'],
+                               plain_net.history[:, 'train_loss'], rtol=1e-10)
+
+
+def test_a_batch_of_three_values_is_checked():
+    # counting its rows, the token loss is no mean over the counted items
+    X, y = token_data()
+    acc_net, _ = token_nets(RowsNet)
+    acc_net = type('AccNet', (TakesSampleWeights, RowsNet), {})(**acc_net.get_params())
+    with pytest.warns(LossItemsWarning, match='not a mean'):
+        fit_seeded(acc_net, WithSampleWeights(X, y), None)
+
+
 class TwoHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()
