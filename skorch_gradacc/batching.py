@@ -258,7 +258,8 @@ def concat_outputs(outputs):
     same structure; a single one is returned as it is, not copied. A 0-d
     float tensor (a loss, which is not per row) becomes the pieces' mean,
     weighted by their rows (those of the output's first tensor with rows);
-    another, the last piece's.
+    another, the last piece's. Among tensors of rows, a 0-d one is a row (a
+    one-row piece's output, squeezed).
 
     Examples
     --------
@@ -268,6 +269,8 @@ def concat_outputs(outputs):
     >>> concat_outputs([(torch.zeros(2), torch.tensor(1.)),
     ...                 (torch.zeros(6), torch.tensor(3.))])
     (tensor([0., 0., 0., 0., 0., 0., 0., 0.]), tensor(2.5000))
+    >>> concat_outputs([torch.zeros(3), torch.tensor(1.)])
+    tensor([0., 0., 0., 1.])
 
     """
     if len(outputs) == 1:
@@ -276,12 +279,16 @@ def concat_outputs(outputs):
             for output in outputs]
 
     def join(tensors):
-        if tensors[0].dim() == 0:
+        if all(tensor.dim() == 0 for tensor in tensors):
             if not tensors[0].is_floating_point():
                 return tensors[-1]
             stacked = torch.stack(tensors)
             weights = stacked.new_tensor(rows if sum(rows) else [1] * len(rows))
             return (stacked * weights).sum() / weights.sum()
+        # a module's .squeeze() leaves a one-row piece's output 0-d, where the
+        # large batch's has rows
+        tensors = [tensor.reshape(1) if tensor.dim() == 0 else tensor
+                   for tensor in tensors]
         shapes = {tuple(out.shape[1:]) for out in tensors}
         if len(shapes) > 1:
             raise ValueError(

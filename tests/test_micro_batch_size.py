@@ -9,13 +9,14 @@ import pandas as pd
 import pytest
 import torch
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback, ProgressBar
+from skorch.callbacks import Callback, EpochScoring, ProgressBar
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 
 from conftest import (
     PARAM_ATOL,
     MLPClassifier,
+    MLPRegressor,
     assert_same_history,
     fit_seeded,
     make_nets,
@@ -69,6 +70,13 @@ def micro_nets(micro_batch_size, batch_size=32, acc_steps=1, module=CappedMLP,
     return acc_net, plain_net
 
 
+class SqueezedMLPRegressor(MLPRegressor):
+    """Squeezes its outputs, as many regressors do: 0-d for one row."""
+
+    def forward(self, X):
+        return super().forward(X).squeeze()
+
+
 class TestFixedMicroBatchSize:
     @pytest.mark.parametrize('micro_batch_size', [1, 5, 8, 32, 100])
     def test_equals_plain_net_with_the_full_batch(self, clf_data,
@@ -109,6 +117,21 @@ class TestFixedMicroBatchSize:
             fit_seeded(net, *clf_data)
             totals.append(dict(net.callbacks_)['progress'].pbar_.total)
         assert totals[0] == totals[1]
+
+    @pytest.mark.filterwarnings('ignore:Using a target size:UserWarning')
+    def test_squeezed_outputs_of_one_row_pieces_stay_rows(self, reg_data):
+        # pieces of 3, 3, 3 and 1 rows: the last one's output is 0-d, where
+        # the large batch's has its row; scored in training and predicted
+        X, y = reg_data
+        acc_net, plain_net = make_nets(
+            2, batch_size=10, kind='regressor', module=SqueezedMLPRegressor,
+            callbacks=[EpochScoring('r2', on_train=True, name='train_r2')])
+        acc_net.set_params(micro_batch_size=3)
+        fit_seeded(acc_net, X, y.ravel()), fit_seeded(plain_net, X, y.ravel())
+        assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
+        assert_same_history(acc_net, plain_net)
+        np.testing.assert_allclose(acc_net.predict(X), plain_net.predict(X),
+                                   rtol=1e-12)
 
     def test_dict_and_dataframe_inputs(self, clf_data):
         from test_inputs import ColumnsMLP, TwoInputMLP
