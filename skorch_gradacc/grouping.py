@@ -353,6 +353,19 @@ def forget_unloaded_group(history, prefix, error):
         batches.pop()
 
 
+def set_sampler_epoch(net, sampler, epoch):
+    """Give a training ``DistributedSampler`` the epoch's index, ``epoch``.
+
+    As PyTorch's loops do, so that each epoch shuffles anew; not where the
+    user set the epoch (a callback's ``set_epoch`` in ``on_epoch_begin``):
+    one other than the last this gave the sampler, or than its first, 0.
+    """
+    given, last = getattr(net, '_sampler_epoch_', (None, 0))
+    if sampler.epoch == (last if given is sampler else 0):
+        sampler.set_epoch(epoch)
+        net._sampler_epoch_ = sampler, epoch
+
+
 _RELEASED_MESSAGE = (
     "This training batch was released after its backward pass. A callback "
     "(or net) that reads it declares so in its class, e.g. train_batch_reads "

@@ -44,7 +44,11 @@ from skorch_gradacc.engine import (
     engine_for,
     learnable_gradients,
 )
-from skorch_gradacc.grouping import MicroBatchGroup, forget_unloaded_group
+from skorch_gradacc.grouping import (
+    MicroBatchGroup,
+    forget_unloaded_group,
+    set_sampler_epoch,
+)
 from skorch_gradacc.memory import (
     accumulate_within_budget,
     eval_pieces,
@@ -319,13 +323,13 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
 
         One batch per optimizer step
         (:class:`~skorch_gradacc.grouping.MicroBatchGroups`). A
-        ``DistributedSampler`` gets ``set_epoch`` with the epoch's index.
+        ``DistributedSampler`` gets ``set_epoch`` with the epoch's index,
+        unless the user set its epoch.
         """
         sampler = getattr(iterator, 'sampler', None)
         if training and isinstance(sampler, DistributedSampler):
-            # the epoch's index from 0, as in PyTorch's loops; the epoch's
-            # row is in the history already, that of a resumed run too
-            sampler.set_epoch(max(len(self.history) - 1, 0))
+            # from 0; the epoch's row is in the history, a resumed run's too
+            set_sampler_epoch(self, sampler, max(len(self.history) - 1, 0))
         if training and iterator is not None and self._trains_in_groups():
             needed = self.get_train_outputs_needed()
             self._keep_train_y_pred_ = needed['y_pred']

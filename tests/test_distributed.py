@@ -68,6 +68,8 @@ from conftest import (
     TemperedNLL,
     assert_ranks_backed_off_alike,
     classification_data,
+    fit_seeded,
+    param_diff,
 )
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
@@ -634,6 +636,31 @@ def test_distributed_sampler_epochs_count_from_0_also_after_a_resume(
 
     assert make_net().fit(dataset, None).sampler_epochs_ == [0, 1]
     assert make_net().fit(dataset, None).sampler_epochs_ == [2, 3]
+
+
+class SetsSamplerEpochs(RecordsSamplerEpochs):
+    """A user's callback that gives the training sampler epochs of its own."""
+
+    def on_epoch_begin(self, net, **kwargs):
+        net.iterator_train__sampler.set_epoch(1000 * len(net.history))
+
+
+def test_a_distributed_sampler_keeps_the_epochs_a_callback_sets():
+    # the user's set_epoch, in on_epoch_begin, stands: the same shuffles,
+    # so the same parameters as plain skorch's with that callback
+    X, y = classification_data(64)
+    dataset = Dataset(X, y)
+    nets = [cls(MLPClassifier, batch_size=batch_size, max_epochs=3, train_split=None,
+                verbose=0, callbacks=[SetsSamplerEpochs()], iterator_train__sampler=(
+                    DistributedSampler(dataset, num_replicas=1, rank=0, seed=0)),
+                **acc_steps)
+            for cls, batch_size, acc_steps in [
+                (GradAccNeuralNetClassifier, 8, {'acc_steps': 2}),
+                (NeuralNetClassifier, 16, {})]]
+    for net in nets:
+        fit_seeded(net, dataset, None)
+        assert net.sampler_epochs_ == [1000, 2000, 3000]
+    assert param_diff(*nets) < PARAM_ATOL
 
 
 RESTART_WARNING = (
