@@ -259,7 +259,8 @@ def concat_outputs(outputs):
     float tensor (a loss, which is not per row) becomes the pieces' mean,
     weighted by their rows (those of the output's first tensor with rows);
     another, the last piece's. Among tensors of rows, a 0-d one is a row (a
-    one-row piece's output, squeezed).
+    one-row piece's output, squeezed). A tensor whose first axis is not the
+    pieces' rows joins along the first that is (an RNN's state).
 
     Examples
     --------
@@ -271,6 +272,9 @@ def concat_outputs(outputs):
     (tensor([0., 0., 0., 0., 0., 0., 0., 0.]), tensor(2.5000))
     >>> concat_outputs([torch.zeros(3), torch.tensor(1.)])
     tensor([0., 0., 0., 1.])
+    >>> concat_outputs([(torch.zeros(3), torch.zeros(2, 3, 4)),
+    ...                 (torch.zeros(1), torch.zeros(2, 1, 4))])[1].shape
+    torch.Size([2, 4, 4])
 
     """
     if len(outputs) == 1:
@@ -289,7 +293,8 @@ def concat_outputs(outputs):
         # large batch's has rows
         tensors = [tensor.reshape(1) if tensor.dim() == 0 else tensor
                    for tensor in tensors]
-        shapes = {tuple(out.shape[1:]) for out in tensors}
+        axis = _rows_axis(tensors, rows)
+        shapes = {out.shape[:axis] + out.shape[axis + 1:] for out in tensors}
         if len(shapes) > 1:
             raise ValueError(
                 "Cannot join the micro-batches of a step into one batch for "
@@ -297,9 +302,22 @@ def concat_outputs(outputs):
                 "Pad every micro-batch to one length (collate_fn), or have no "
                 "callback read the training batch.".format(
                     sorted(tuple(out.shape) for out in tensors)))
-        return torch.cat(tensors)
+        return torch.cat(tensors, dim=axis)
 
     return _apply(join, outputs)
+
+
+def _rows_axis(tensors, rows):
+    """Return the axis of ``tensors`` that holds each piece's ``rows``.
+
+    The first, unless it is not the rows and a later one is, in every piece
+    (an RNN's state: layers, then rows).
+    """
+    if all(rows) and any(len(out) != n for out, n in zip(tensors, rows)):
+        for axis in range(1, min(out.dim() for out in tensors)):
+            if all(out.shape[axis] == n for out, n in zip(tensors, rows)):
+                return axis
+    return 0
 
 
 # The pieces of a micro-batch

@@ -183,17 +183,59 @@ def test_an_output_that_is_no_tensor_joins_as_none(clf_data):
                           ) == {'cache': None}
 
 
+class StateOutputMLP(MLPClassifier):
+    """Returns a state beside its probabilities, (layers, rows, ...), as an
+    RNN's: skorch's loss and predictions use the first element."""
+
+    def forward(self, X):
+        probas = super().forward(X)
+        return probas, torch.stack([probas, probas ** 2])
+
+
+class RecordStates(Callback):
+    train_batch_reads = ('y_pred',)
+
+    def initialize(self):
+        self.states_ = []
+        return self
+
+    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+        if training:
+            self.states_.append(y_pred[1].detach().clone())
+
+
+def test_a_state_of_layers_then_rows_joins_along_its_rows(clf_data):
+    # pieces of 3, 3 and 2 rows: the states join along their rows, not
+    # their layers, as the large batch's; callbacks and predictions see it
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4, module=StateOutputMLP,
+                                   callbacks=[('states', RecordStates())])
+    acc_net.set_params(micro_batch_size=3)
+    for net in (acc_net, plain_net):
+        net.get_loss = first_output_loss(net)
+        fit_seeded(net, X, y)
+    check(acc_net, plain_net)
+    ours, plain = (dict(net.callbacks_)['states'].states_
+                   for net in (acc_net, plain_net))
+    assert plain[0].shape == (2, 32, 3)
+    for state, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(state, expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(acc_net.predict_proba(X), plain_net.predict_proba(X),
+                               rtol=1e-12)
+
+
+def first_output_loss(net):
+    """The net's get_loss, of the module's first output."""
+    def get_loss(y_pred, y_true, *args, **kwargs):
+        return type(net).get_loss(net, y_pred[0], y_true, *args, **kwargs)
+    return get_loss
+
+
 def test_tuple_module_output(clf_data):
     X, y = clf_data
 
     acc_net, plain_net = make_nets(4, module=TupleOutputMLP,
                                    iterator_train__shuffle=True)
-
-    def first_output_loss(net):
-        def get_loss(y_pred, y_true, *args, **kwargs):
-            return type(net).get_loss(net, y_pred[0], y_true, *args, **kwargs)
-        return get_loss
-
     for net in (acc_net, plain_net):
         net.get_loss = first_output_loss(net)
         fit_seeded(net, X, y)
