@@ -189,12 +189,13 @@ def _first_rows(X):
     return X[:2].clone()
 
 
-def _apply(fn, outputs):
+def _apply(fn, outputs, per_row=None):
     """Apply ``fn`` to parallel lists of tensors in nested outputs.
 
     Another leaf (a Hugging Face model's cache) is kept as it is from one
     output; from several, the same object of every one, else None: the
-    pieces' caches make none of the whole.
+    pieces' caches make none of the whole. Sequences for which ``per_row``
+    is true are joined into one.
     """
     first = outputs[0]
     if first is None:
@@ -204,11 +205,13 @@ def _apply(fn, outputs):
     if isinstance(first, dict):  # of its own class (Hugging Face's ModelOutput)
         joined = copy.copy(first)
         for key in first:
-            joined[key] = _apply(fn, [out[key] for out in outputs])
+            joined[key] = _apply(fn, [out[key] for out in outputs], per_row)
         return joined
+    if per_row is not None and per_row(outputs):
+        return type(first)(item for out in outputs for item in out)
     if isinstance(first, (tuple, list)):
-        return type(first)(
-            _apply(fn, [out[i] for out in outputs]) for i in range(len(first)))
+        return type(first)(_apply(fn, [out[i] for out in outputs], per_row)
+                           for i in range(len(first)))
     return first if all(out is first for out in outputs) else None
 
 
@@ -251,16 +254,18 @@ def outputs_of_no_rows(output):
                   else tensors[0], [output])
 
 
-def concat_outputs(outputs):
-    """Concatenate the outputs of several pieces along the first axis.
+def concat_outputs(outputs, rows=None):
+    """Concatenate the outputs of several pieces along their rows.
 
     Each output is a tensor, or a dict, tuple or list of tensors with the
-    same structure; a single one is returned as it is, not copied. A 0-d
-    float tensor (a loss, which is not per row) becomes the pieces' mean,
-    weighted by their rows (those of the output's first tensor with rows);
-    another, the last piece's. Among tensors of rows, a 0-d one is a row (a
-    one-row piece's output, squeezed). A tensor whose first axis is not the
-    pieces' rows joins along the first that is (an RNN's state).
+    same structure; a single one is returned as it is, not copied. ``rows``:
+    each piece's (its ``batch_len``); else those of each output's first
+    tensor with rows. A 0-d float tensor (a loss, which is not per row)
+    becomes the pieces' mean, weighted by their rows; another, the last
+    piece's. Among tensors of rows, a 0-d one is a row (a one-row piece's
+    output, squeezed). A tensor whose first axis is not the pieces' rows
+    joins along the first that is (an RNN's state), and a list of one item
+    per row, as :func:`take_rows` cuts it, is joined as a list.
 
     Examples
     --------
@@ -272,15 +277,16 @@ def concat_outputs(outputs):
     (tensor([0., 0., 0., 0., 0., 0., 0., 0.]), tensor(2.5000))
     >>> concat_outputs([torch.zeros(3), torch.tensor(1.)])
     tensor([0., 0., 0., 1.])
-    >>> concat_outputs([(torch.zeros(3), torch.zeros(2, 3, 4)),
-    ...                 (torch.zeros(1), torch.zeros(2, 1, 4))])[1].shape
+    >>> concat_outputs([(torch.zeros(2, 3, 4), torch.zeros(3)),
+    ...                 (torch.zeros(2, 1, 4), torch.zeros(1))], rows=[3, 1])[0].shape
     torch.Size([2, 4, 4])
 
     """
     if len(outputs) == 1:
         return outputs[0]  # not copied
-    rows = [next((len(array) for array in arrays_in(output) if array.ndim), 0)
-            for output in outputs]
+    if rows is None:
+        rows = [next((len(array) for array in arrays_in(output) if array.ndim), 0)
+                for output in outputs]
 
     def join(tensors):
         if all(tensor.dim() == 0 for tensor in tensors):
@@ -304,7 +310,11 @@ def concat_outputs(outputs):
                     sorted(tuple(out.shape) for out in tensors)))
         return torch.cat(tensors, dim=axis)
 
-    return _apply(join, outputs)
+    def per_row(lists):  # a collate_fn's list of one item per row
+        return isinstance(lists[0], list) and all(
+            _is_per_row(each, n) for each, n in zip(lists, rows))
+
+    return _apply(join, outputs, per_row)
 
 
 def _rows_axis(tensors, rows):

@@ -452,7 +452,8 @@ def validate_in_pieces(net, pieces, validation_step, **fit_params):
         steps.append(validation_step(piece, **fit_params))
         counts.add_loss(steps[-1]['loss'])
     return {'loss': counts.loss(),
-            'y_pred': concat_outputs([step['y_pred'] for step in steps])}
+            'y_pred': concat_outputs([step['y_pred'] for step in steps],
+                                     [batch_len(piece) for piece in pieces])}
 
 
 def merge_piece_records(row, records):

@@ -400,18 +400,19 @@ class DataParallelEngine(Engine):
         mine = [(
             None if kept is None else to_device(kept[index], 'cpu'),
             None if y_pred is None else output_rows(
-                y_pred, slice(starts[index], starts[index + 1])))
+                y_pred, slice(starts[index], starts[index + 1])), n)
             for index, n in enumerate(rows) if n]
         shares = [None] * self.world_size
         dist.all_gather_object(shares, mine, group=self.process_group)
         order = [(rank, index) for index in range(max(map(len, shares)))
                  for rank, share in enumerate(shares) if index < len(share)]
         ordered = [shares[rank][index] for rank, index in order]
+        batches, outs, counts = map(list, zip(*ordered))  # rows of each
         if kept is not None:
-            group.share(concat_outputs([batch for batch, _ in ordered]),
+            group.share(concat_outputs(batches, counts),
                         self._own_rows(order, ordered, rows) if group.keep else ())
         if y_pred is not None:
-            step = dict(step, y_pred=concat_outputs([out for _, out in ordered]))
+            step = dict(step, y_pred=concat_outputs(outs, counts))
         return step
 
     def _own_rows(self, order, ordered, rows):
@@ -423,8 +424,8 @@ class DataParallelEngine(Engine):
         """
         own = iter([index for index, n in enumerate(rows) if n])
         me, end, found = dist.get_rank(self.process_group), 0, []
-        for (rank, _), (batch, _) in zip(order, ordered):
-            start, end = end, end + batch_len(batch)
+        for (rank, _), (*_, n) in zip(order, ordered):
+            start, end = end, end + n
             if rank == me:
                 found.append((next(own), slice(start, end)))
         return found

@@ -175,7 +175,8 @@ class MicroBatchGroup:
       whole.
 
     keep_targets : bool (default=False)
-      Whether to keep the targets ``y`` of micro-batches ``(X, y)``.
+      Whether to keep the targets ``y`` of micro-batches ``(X, y, ...)``
+      (what follows ``X``; a micro-batch that is no sequence, whole).
 
     Attributes
     ----------
@@ -239,10 +240,9 @@ class MicroBatchGroup:
         self.n_rows += self.micro_rows[-1]
         if self.keep:
             self._kept.append(micro)
-        elif self.keep_targets:
-            self._targets.append(
-                micro[1] if isinstance(micro, (tuple, list)) and len(micro) == 2
-                else micro)
+        elif self.keep_targets:  # what follows X; a batch that is no sequence, whole
+            sequence = isinstance(micro, (tuple, list))
+            self._targets.append(micro[1:] if sequence else micro)
         return micro
 
     def micro_batches(self):
@@ -294,7 +294,7 @@ class MicroBatchGroup:
         micro-batches in ``whole``: they train as those rows, as in one
         process (:meth:`_whole`).
         """
-        self.shared = whole if self.keep else (_ReleasedInputs(), whole)
+        self.shared = whole if self.keep else _after_inputs(whole)
         self._train_as_rows_of(whole, own)
 
     def _train_as_rows_of(self, whole, own):
@@ -310,13 +310,13 @@ class MicroBatchGroup:
         if self.keep:
             self.skip_rest()  # pull what is left into the kept list
             if self._joined is None:
-                self._joined = concat_outputs(self._kept)
+                self._joined = concat_outputs(self._kept, self.micro_rows)
                 starts = [0, *itertools.accumulate(self.micro_rows)]
                 self._train_as_rows_of(self._joined, enumerate(
                     map(slice, starts, starts[1:])))
             return self._joined
         if self.keep_targets and self._exhausted:
-            return (_ReleasedInputs(), concat_outputs(self._targets))
+            return _after_inputs(concat_outputs(self._targets, self.micro_rows))
         raise RuntimeError(_RELEASED_MESSAGE)
 
     def __len__(self):
@@ -371,6 +371,13 @@ _RELEASED_MESSAGE = (
     "(or net) that reads it declares so in its class, e.g. train_batch_reads "
     "= ('X', 'y', 'y_pred'); a train_step of a GradAcc net trains a group "
     "with super().train_step.")
+
+
+def _after_inputs(targets):
+    """Return the batch of ``targets``, what follows its released inputs."""
+    if isinstance(targets, (tuple, list)):
+        return type(targets)([_ReleasedInputs(), *targets])
+    return targets  # a batch that is no sequence, kept whole
 
 
 class _ReleasedInputs:

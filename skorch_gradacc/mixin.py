@@ -439,8 +439,8 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
                               skippable=engine.may_skip(is_last)):
                 # no item: adds nothing to the mean that the large batch takes
                 if keep_y_pred:
-                    y_preds.append(self._infer_without_grad(
-                        piece, **fit_params))
+                    y_preds.append((self._infer_without_grad(
+                        piece, **fit_params), batch_len(piece)))
                 del piece
                 continue
             if is_last:
@@ -457,12 +457,12 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
             # a zero-row piece's too where it is the first: a rank without
             # rows in the step passes callbacks outputs of no rows, not None
             if keep_y_pred and (batch_len(piece) or not y_preds):
-                y_preds.append(detach_outputs(step['y_pred']))
+                y_preds.append((detach_outputs(step['y_pred']), batch_len(piece)))
             del step, piece  # frees the piece's graph and outputs
         loss = engine.end_step(self, group, counts)
         self._unscale_gradients()  # callbacks see true gradients
         merge_piece_records(self._current_batch_row(), self._piece_records_)
-        y_pred = concat_outputs(y_preds) if y_preds else None
+        y_pred = concat_outputs(*map(list, zip(*y_preds))) if y_preds else None
         return {**extras.merged(), 'loss': loss, 'y_pred': self.in_module_dtype(y_pred)}
 
     def _pieces(self, group):
@@ -566,7 +566,7 @@ class GradAccMixin(PaddingMixin, PrecisionMixin):
         if pieces is None:
             return super().evaluation_step(batch, training=training)
         return concat_outputs([super(GradAccMixin, self).evaluation_step(
-            piece, training=training) for piece in pieces])
+            piece, training=training) for piece in pieces], [*map(batch_len, pieces)])
 
 
 _WITHOUT_GET_LOSS = (

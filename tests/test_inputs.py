@@ -185,50 +185,138 @@ def test_an_output_that_is_no_tensor_joins_as_none(clf_data):
 
 class StateOutputMLP(MLPClassifier):
     """Returns a state beside its probabilities, (layers, rows, ...), as an
-    RNN's: skorch's loss and predictions use the first element."""
+    RNN's, after them or (``state_first``) before them."""
+
+    def __init__(self, state_first=False):
+        super().__init__()
+        self.state_first = state_first
 
     def forward(self, X):
         probas = super().forward(X)
-        return probas, torch.stack([probas, probas ** 2])
+        state = torch.stack([probas, probas ** 2])
+        return (state, probas) if self.state_first else (probas, state)
 
 
-class RecordStates(Callback):
-    train_batch_reads = ('y_pred',)
+class RecordsTraining(Callback):
+    """Records ``record(batch, y_pred)`` of each training step; reads it all."""
+
+    train_batch_reads = ('X', 'y', 'y_pred')
+
+    def __init__(self, record):
+        self.record = record
 
     def initialize(self):
-        self.states_ = []
+        self.records_ = []
         return self
 
-    def on_batch_end(self, net, y_pred=None, training=False, **kwargs):
+    def on_batch_end(self, net, batch=None, y_pred=None, training=False, **kwargs):
         if training:
-            self.states_.append(y_pred[1].detach().clone())
+            self.records_.append(self.record(batch, y_pred))
 
 
-def test_a_state_of_layers_then_rows_joins_along_its_rows(clf_data):
+def assert_same_records(acc_net, plain_net):
+    """The records of both nets' ``records`` callbacks, tensors in each."""
+    ours, plain = (dict(net.callbacks_)['records'].records_
+                   for net in (acc_net, plain_net))
+    assert len(ours) == len(plain) > 0
+    for record, expected in zip(ours, plain, strict=True):
+        for got, want in zip(record, expected, strict=True):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want),
+                                       rtol=0, atol=1e-12)
+    return plain
+
+
+@pytest.mark.parametrize('state_first', [False, True])
+def test_a_state_of_layers_then_rows_joins_along_its_rows(clf_data, state_first):
     # pieces of 3, 3 and 2 rows: the states join along their rows, not
-    # their layers, as the large batch's; callbacks and predictions see it
+    # their layers, as the large batch's; callbacks and forward_iter see it
     X, y = clf_data
-    acc_net, plain_net = make_nets(4, module=StateOutputMLP,
-                                   callbacks=[('states', RecordStates())])
+    acc_net, plain_net = make_nets(
+        4, module=StateOutputMLP, module__state_first=state_first, train_split=None,
+        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
     acc_net.set_params(micro_batch_size=3)
     for net in (acc_net, plain_net):
-        net.get_loss = first_output_loss(net)
+        net.get_loss = output_loss(net, int(state_first))
         fit_seeded(net, X, y)
     check(acc_net, plain_net)
-    ours, plain = (dict(net.callbacks_)['states'].states_
-                   for net in (acc_net, plain_net))
-    assert plain[0].shape == (2, 32, 3)
-    for state, expected in zip(ours, plain, strict=True):
-        torch.testing.assert_close(state, expected, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(acc_net.predict_proba(X), plain_net.predict_proba(X),
-                               rtol=1e-12)
+    plain = assert_same_records(acc_net, plain_net)
+    assert plain[0][int(not state_first)].shape == (2, 32, 3)
+    # skorch's forward cannot join the batches' states: joined here
+    for net in (acc_net, plain_net):
+        net.outputs_ = [torch.cat(outputs, dim=int(index != int(state_first)))
+                        for index, outputs in enumerate(zip(*net.forward_iter(X)))]
+    for ours, expected in zip(acc_net.outputs_, plain_net.outputs_, strict=True):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
 
 
-def first_output_loss(net):
-    """The net's get_loss, of the module's first output."""
+def output_loss(net, index=0):
+    """The net's get_loss, of the module's output at ``index``."""
     def get_loss(y_pred, y_true, *args, **kwargs):
-        return type(net).get_loss(net, y_pred[0], y_true, *args, **kwargs)
+        return type(net).get_loss(net, y_pred[index], y_true, *args, **kwargs)
     return get_loss
+
+
+class SqueezedWithMean(MLPRegressor):
+    """Returns its predictions squeezed (0-d for one row) and their mean."""
+
+    def forward(self, X):
+        predictions = super().forward(X).squeeze()
+        return predictions, predictions.mean()
+
+
+@pytest.mark.filterwarnings('ignore:Using a target size:UserWarning')
+def test_a_one_row_piece_weighs_its_row_in_a_mean(reg_data):
+    # pieces of 3, 3, 3 and 1 rows; the last has no tensor of rows, yet
+    # its mean weighs one row, as in the large batch's mean
+    X, y = reg_data
+    acc_net, plain_net = make_nets(
+        2, batch_size=10, kind='regressor', module=SqueezedWithMean,
+        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
+    acc_net.set_params(micro_batch_size=3)
+    for net in (acc_net, plain_net):
+        net.get_loss = output_loss(net)
+        fit_seeded(net, X, y.ravel())
+    check(acc_net, plain_net)
+    assert_same_records(acc_net, plain_net)
+
+
+class RowsAndTargets(torch.utils.data.Dataset):
+    """Yields ``(X, y)`` with targets of 1 to 3 values."""
+
+    def __init__(self, X):
+        self.X = X
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return self.X[i], torch.full((i % 3 + 1,), (i % 7) / 7)
+
+
+def a_list_of_targets(items):
+    return torch.stack([X for X, _ in items]), [target for _, target in items]
+
+
+class TargetsOfRows(torch.nn.Module):
+    def forward(self, y_pred, y_true):
+        return torch.stack([((y_pred[i] - target) ** 2).mean()
+                            for i, target in enumerate(y_true)]).mean()
+
+
+def test_a_list_of_targets_per_row_reaches_callbacks_as_one(reg_data):
+    # a collate_fn's list of one target per row: the step's is the
+    # micro-batches' lists joined, in order, as the large batch's
+    X, _ = reg_data
+    acc_net, plain_net = make_nets(
+        2, batch_size=5, kind='regressor', criterion=TargetsOfRows,
+        train_split=None, iterator_train__collate_fn=a_list_of_targets,
+        callbacks=[('records', RecordsTraining(lambda batch, _: batch[1]))])
+    acc_net.set_params(micro_batch_size=2)
+    for net in (acc_net, plain_net):
+        fit_seeded(net, RowsAndTargets(torch.as_tensor(X)), None)
+    check(acc_net, plain_net)
+    plain = assert_same_records(acc_net, plain_net)
+    assert len(plain[0]) == 10
 
 
 def test_tuple_module_output(clf_data):
@@ -237,7 +325,7 @@ def test_tuple_module_output(clf_data):
     acc_net, plain_net = make_nets(4, module=TupleOutputMLP,
                                    iterator_train__shuffle=True)
     for net in (acc_net, plain_net):
-        net.get_loss = first_output_loss(net)
+        net.get_loss = output_loss(net)
         fit_seeded(net, X, y)
     check(acc_net, plain_net)
 
@@ -450,7 +538,14 @@ class WeightedLossMixin:
         return {'loss': loss, 'y_pred': y_pred}
 
 
-def test_batches_of_three_values(clf_data):
+class RecordsTargets(RecordsTraining):
+    train_batch_reads = ('y',)  # the inputs are released
+
+
+@pytest.mark.parametrize('callbacks', [[], [('records', RecordsTargets(
+    lambda batch, _: (batch[1], batch[2])))]], ids=['', 'reading y'])
+def test_batches_of_three_values(clf_data, callbacks):
+    # a callback that reads y gets what follows X: y, then the weights
     from skorch import NeuralNetClassifier
 
     from skorch_gradacc import GradAccNeuralNetClassifier
@@ -463,13 +558,55 @@ def test_batches_of_three_values(clf_data):
 
     X, y = clf_data
     weight = np.linspace(0.5, 1.5, len(y))
-    acc_net, plain_net = make_nets(4, train_split=None)
+    acc_net, plain_net = make_nets(4, train_split=None, callbacks=callbacks)
     acc_net = WeightedGradAccNet(**acc_net.get_params())
     plain_net = WeightedNet(**plain_net.get_params())
     for net in (acc_net, plain_net):
         torch.manual_seed(0)
         net.fit(WeightedDataset(X, y, weight), None)
     check(acc_net, plain_net)
+    if callbacks:
+        assert_same_records(acc_net, plain_net)
+
+
+class DictBatches(torch.utils.data.Dataset):
+    """Yields dicts of ``X`` and ``y``: batches that are no sequence."""
+
+    def __init__(self, X, y):
+        self.X, self.y = X, y
+
+    def __len__(self):
+        return len(self.X)
+
+    def __getitem__(self, i):
+        return {'X': self.X[i], 'y': self.y[i]}
+
+
+class TakesDictBatches:
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        y_pred = self.infer(batch['X'])
+        loss = self.get_loss(y_pred, batch['y'], X=batch['X'], training=True)
+        loss.backward()
+        return {'loss': loss, 'y_pred': y_pred}
+
+    def count_loss_items(self, batch):
+        return len(batch['y'])
+
+
+def test_a_callback_that_reads_y_of_dict_batches_gets_them(clf_data):
+    # a batch that is no (X, y, ...) is kept whole for it
+    X, y = clf_data
+    acc_net, plain_net = make_nets(4, train_split=None, callbacks=[
+        ('records', RecordsTargets(lambda batch, _: (batch['y'],)))])
+    acc_net = type('AccNet', (TakesDictBatches, type(acc_net)), {})(
+        **acc_net.get_params())
+    plain_net = type('PlainNet', (TakesDictBatches, type(plain_net)), {})(
+        **plain_net.get_params())
+    for net in (acc_net, plain_net):
+        fit_seeded(net, DictBatches(X, y), None)
+    check(acc_net, plain_net)
+    assert_same_records(acc_net, plain_net)
 
 
 def cut_to_the_longest(items):
