@@ -51,6 +51,7 @@ from test_streaming import (
     ready_batches,
     sequences,
 )
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
 
@@ -700,6 +701,37 @@ def test_restarts_without_a_fresh_store_warn_at_initialize(
         assert all(warning.filename == __file__ for warning in caught)
     finally:
         dist.destroy_process_group()
+
+
+class WithUnusedHead(MLPClassifier):
+    """Has a head that forward never runs: DDP needs find_unused_parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused_head = torch.nn.Linear(3, 2, dtype=torch.float64)
+
+
+def test_a_module_the_user_wrapped_in_ddp_stays_theirs(tmp_path):
+    # DDP's own options (find_unused_parameters) are the user's: a module
+    # wrapped already is not wrapped again, and trains as in one process
+    X, y = classification_data(48)
+    params = dict(max_epochs=2, train_split=None, verbose=0)
+    dist.init_process_group('gloo', init_method=(tmp_path / 'store').as_uri(),
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        wrapped = DistributedDataParallel(WithUnusedHead(), find_unused_parameters=True)
+        net = DDPClassifier(wrapped, batch_size=8, acc_steps=3, **params).fit(X, y)
+        assert net.module_ is wrapped
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    plain = NeuralNetClassifier(WithUnusedHead, batch_size=24, **params).fit(X, y)
+    state = plain.module_.state_dict()
+    for key, value in wrapped.module.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=PARAM_ATOL)
+    np.testing.assert_allclose(net.history[:, 'train_loss'],
+                               plain.history[:, 'train_loss'], rtol=1e-10)
 
 
 def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
