@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from skorch import NeuralNet
+from test_inputs import WeightedDataset
 from test_normalization import IGNORE, VOCAB, TokenTagger, token_data, token_nets
 from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
@@ -170,19 +171,6 @@ def test_an_ignore_index_of_zero_matches_the_large_batch(loss_check_errors):
                                plain_net.history[:, 'train_loss'], rtol=1e-10)
 
 
-class WithSampleWeights(torch.utils.data.Dataset):
-    """Yields ``(X, y, sample_weight)``: three values per sample."""
-
-    def __init__(self, X, y):
-        self.X, self.y = X, y
-
-    def __len__(self):
-        return len(self.X)
-
-    def __getitem__(self, i):
-        return self.X[i], self.y[i], 1.0
-
-
 class TakesSampleWeights:
     """A user's train_step_single for batches of three values; weights of
     1 leave the criterion's mean over tokens as it is."""
@@ -208,8 +196,8 @@ def test_a_batch_of_three_values_counts_its_second(loss_check_errors):
         **acc_net.get_params())
     plain_net = type('PlainNet', (TakesSampleWeights, NeuralNet), {})(
         **plain_net.get_params())
-    fit_seeded(acc_net, WithSampleWeights(X, y), None)
-    fit_seeded(plain_net, WithSampleWeights(X, y), None)
+    fit_seeded(acc_net, WeightedDataset(X, y, np.ones(len(y))), None)
+    fit_seeded(plain_net, WeightedDataset(X, y, np.ones(len(y))), None)
     state = plain_net.module_.state_dict()
     for key, value in acc_net.module_.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=PARAM_ATOL)
@@ -223,7 +211,7 @@ def test_a_batch_of_three_values_is_checked():
     acc_net, _ = token_nets(RowsNet)
     acc_net = type('AccNet', (TakesSampleWeights, RowsNet), {})(**acc_net.get_params())
     with pytest.warns(LossItemsWarning, match='not a mean'):
-        fit_seeded(acc_net, WithSampleWeights(X, y), None)
+        fit_seeded(acc_net, WeightedDataset(X, y, np.ones(len(y))), None)
 
 
 class TwoHeads(torch.nn.Module):
