@@ -254,39 +254,35 @@ def outputs_of_no_rows(output):
                   else tensors[0], [output])
 
 
-def concat_outputs(outputs, rows=None):
-    """Concatenate the outputs of several pieces along their rows.
+def concat_outputs(outputs, rows):
+    """Concatenate the outputs of several pieces along their ``rows``.
 
     Each output is a tensor, or a dict, tuple or list of tensors with the
     same structure; a single one is returned as it is, not copied. ``rows``:
-    each piece's (its ``batch_len``); else those of each output's first
-    tensor with rows. A 0-d float tensor (a loss, which is not per row)
-    becomes the pieces' mean, weighted by their rows; another, the last
-    piece's. Among tensors of rows, a 0-d one is a row (a one-row piece's
-    output, squeezed). A tensor whose first axis is not the pieces' rows
+    each piece's, its ``batch_len``. A 0-d float tensor (a loss, which is
+    not per row) becomes the pieces' mean, weighted by their rows; another,
+    the last piece's. Among tensors of rows, a 0-d one is a row (a one-row
+    piece's output, squeezed). A tensor whose first axis is not the pieces' rows
     joins along the first that is (an RNN's state), and a list of one item
     per row, as :func:`take_rows` cuts it, is joined as a list.
 
     Examples
     --------
     >>> import torch
-    >>> concat_outputs([torch.zeros(2, 3), torch.ones(1, 3)]).shape
+    >>> concat_outputs([torch.zeros(2, 3), torch.ones(1, 3)], [2, 1]).shape
     torch.Size([3, 3])
     >>> concat_outputs([(torch.zeros(2), torch.tensor(1.)),
-    ...                 (torch.zeros(6), torch.tensor(3.))])
+    ...                 (torch.zeros(6), torch.tensor(3.))], [2, 6])
     (tensor([0., 0., 0., 0., 0., 0., 0., 0.]), tensor(2.5000))
-    >>> concat_outputs([torch.zeros(3), torch.tensor(1.)])
+    >>> concat_outputs([torch.zeros(3), torch.tensor(1.)], [3, 1])
     tensor([0., 0., 0., 1.])
     >>> concat_outputs([(torch.zeros(2, 3, 4), torch.zeros(3)),
-    ...                 (torch.zeros(2, 1, 4), torch.zeros(1))], rows=[3, 1])[0].shape
+    ...                 (torch.zeros(2, 1, 4), torch.zeros(1))], [3, 1])[0].shape
     torch.Size([2, 4, 4])
 
     """
     if len(outputs) == 1:
         return outputs[0]  # not copied
-    if rows is None:
-        rows = [next((len(array) for array in arrays_in(output) if array.ndim), 0)
-                for output in outputs]
 
     def join(tensors):
         if all(tensor.dim() == 0 for tensor in tensors):

@@ -407,12 +407,12 @@ class DataParallelEngine(Engine):
         order = [(rank, index) for index in range(max(map(len, shares)))
                  for rank, share in enumerate(shares) if index < len(share)]
         ordered = [shares[rank][index] for rank, index in order]
-        batches, outs, counts = map(list, zip(*ordered))  # rows of each
+        batches, outs, sizes = map(list, zip(*ordered))  # sizes: their rows
         if kept is not None:
-            group.share(concat_outputs(batches, counts),
+            group.share(concat_outputs(batches, sizes),
                         self._own_rows(order, ordered, rows) if group.keep else ())
         if y_pred is not None:
-            step = dict(step, y_pred=concat_outputs(outs, counts))
+            step = dict(step, y_pred=concat_outputs(outs, sizes))
         return step
 
     def _own_rows(self, order, ordered, rows):

@@ -177,10 +177,10 @@ def test_an_output_that_is_no_tensor_joins_as_none(clf_data):
     fit_seeded(acc_net, X, y), fit_seeded(plain_net, X, y)
     check(acc_net, plain_net)
     cache = types.SimpleNamespace(rows=5)
-    joined = concat_outputs([{'logits': torch.zeros(2), 'cache': cache}] * 2)
+    joined = concat_outputs([{'logits': torch.zeros(2), 'cache': cache}] * 2, [2, 2])
     assert joined['cache'] is cache
-    assert concat_outputs([{'cache': cache}, {'cache': types.SimpleNamespace()}]
-                          ) == {'cache': None}
+    assert concat_outputs([{'cache': cache}, {'cache': types.SimpleNamespace()}],
+                          [2, 2]) == {'cache': None}
 
 
 class StateOutputMLP(MLPClassifier):
