@@ -226,23 +226,30 @@ def detach_outputs(output):
     return _apply(lambda tensors: tensors[0].detach(), [output])
 
 
-def output_rows(output, rows):
-    """Return the rows (a slice) of a module output, on the CPU.
+def output_rows(output, rows, n_rows):
+    """Return the rows (a slice) of a module output of ``n_rows``, on the CPU.
 
     Of the output's own classes, as :func:`concat_outputs` keeps them: a
-    Hugging Face ``ModelOutput`` stays one.
+    Hugging Face ``ModelOutput`` stays one. A tensor whose first axis is not
+    the rows is cut along the first that is (an RNN's state), as
+    :func:`concat_outputs` joins it.
 
     Examples
     --------
     >>> import torch
-    >>> output_rows((torch.arange(6).reshape(3, 2),), slice(1, 3))
+    >>> output_rows((torch.arange(6).reshape(3, 2),), slice(1, 3), 3)
     (tensor([[2, 3],
             [4, 5]]),)
+    >>> output_rows(torch.zeros(2, 3, 4), slice(1, 3), 3).shape
+    torch.Size([2, 2, 4])
 
     """
-    # a 0-d tensor (a loss) is not per row: whole
-    return _apply(lambda tensors: (tensors[0] if tensors[0].dim() == 0
-                                   else tensors[0][rows]).cpu(), [output])
+    def cut(tensors):
+        if tensors[0].dim() == 0:  # a loss, not per row: whole
+            return tensors[0].cpu()
+        axis = _rows_axis(tensors, [n_rows])
+        return tensors[0][(slice(None),) * axis + (rows,)].cpu()
+    return _apply(cut, [output])
 
 
 def outputs_of_no_rows(output):

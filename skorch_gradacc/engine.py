@@ -400,7 +400,7 @@ class DataParallelEngine(Engine):
         mine = [(
             None if kept is None else to_device(kept[index], 'cpu'),
             None if y_pred is None else output_rows(
-                y_pred, slice(starts[index], starts[index + 1])), n)
+                y_pred, slice(starts[index], starts[index + 1]), starts[-1]), n)
             for index, n in enumerate(rows) if n]
         shares = [None] * self.world_size
         dist.all_gather_object(shares, mine, group=self.process_group)

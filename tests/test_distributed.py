@@ -35,7 +35,10 @@ from test_inputs import (
     PenaltyOutputMLP,
     RecordOutputs,
     RecordPenalties,
+    RecordsTraining,
     SplitStreamDataset,
+    StateOutputMLP,
+    output_loss,
     penalized_loss,
 )
 from test_mixed_precision import Float32MLP, HugeInitialScaleNet
@@ -83,7 +86,7 @@ TIME_LIMIT = 240
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'drop_last', 'tokens', 'bucket', 'iterable', 'groups', 'freeze',
-             'criterion', 'load_best', 'pickle', 'batchnorm', 'compile']
+             'criterion', 'load_best', 'pickle', 'batchnorm', 'compile', 'state']
 if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
@@ -467,6 +470,29 @@ def test_model_outputs_reach_callbacks_as_model_outputs_on_every_rank(ddp):
 
 @pytest.mark.slow  # torchrun
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(ddp):
+    # each rank's outputs are cut into its micro-batches' rows to be
+    # gathered: an RNN's state of (layers, rows, ...) along its rows, so that
+    # callbacks read the large batch's (2, 48, 3), as in plain skorch
+    ranks = ddp.ranks('state')
+    X, y = classification_data(195)
+    torch.manual_seed(0)
+    net = NeuralNetClassifier(
+        StateOutputMLP, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, lr=0.1,
+        optimizer__momentum=0.9, max_epochs=2, train_split=None, verbose=0,
+        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
+    net.get_loss = output_loss(net)
+    expected = dict(net.fit(X, y).callbacks_)['records'].records_
+    assert expected[0][1].shape == (2, 48, 3)
+    for rank in ranks:
+        for outputs, plain in zip(rank['records'], expected, strict=True):
+            for got, want in zip(outputs, plain, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=PARAM_ATOL)
+    assert_same_as_single_process(ranks, net)
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_loading_the_best_epoch_leaves_the_random_state_as_plain_skorch(
         ddp, tmp_path):
     # each rank's random state is restored on resuming, not by the load of
@@ -758,6 +784,7 @@ def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
     assert [kind.__name__ for kind, _ in ours] == ['SequenceClassifierOutput'] * 2
     for (_, logits), (_, plain_logits) in zip(ours, expected, strict=True):
         torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
+
 
 
 def test_a_streams_length_is_no_limit_over_ranks_when_workers_split_it(tmp_path):

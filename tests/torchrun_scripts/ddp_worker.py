@@ -77,7 +77,14 @@ from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
 from test_distributed import PicklableDDPClassifier
-from test_inputs import ModelOutputMLP, NLLOfOutputs, RecordOutputs
+from test_inputs import (
+    ModelOutputMLP,
+    NLLOfOutputs,
+    RecordOutputs,
+    RecordsTraining,
+    StateOutputMLP,
+    output_loss,
+)
 from test_normalization import IGNORE, TokenTagger, token_data
 from test_streaming import (
     BucketSampler,
@@ -117,7 +124,7 @@ N_SAMPLES = {'samples': 195, 'shuffle': 203, 'drop_last': 203, 'raise': 195,
              'uneven': 195,
              'auto': 195, 'apart': 61, 'plan': 195, 'plan_fails': 195, 'groups': 195,
              'freeze': 195, 'criterion': 195, 'load_best': 195, 'pickle': 195,
-             'outputs': 195, 'batchnorm': 195, 'compile': 211}
+             'outputs': 195, 'state': 195, 'batchnorm': 195, 'compile': 211}
 # the most rows each rank's module takes, per scenario
 MAX_ROWS = {'auto': (1000, 4), 'apart': (6, 3), 'plan_fails': (1000, 4)}
 
@@ -307,6 +314,9 @@ def make_net_and_data(scenario, rank, device):
         module = ModelOutputMLP
         common.update(criterion=NLLOfOutputs, callbacks=[
             ('outputs', RecordOutputs())])
+    if scenario == 'state':  # an RNN's state beside the outputs, read by a callback
+        module = StateOutputMLP
+        common['callbacks'] = [('records', RecordsTraining(outputs_of_step))]
     if scenario == 'compile':
         common['compile'] = True
     if scenario == 'pickle':  # the net's file alone
@@ -318,6 +328,10 @@ def make_net_and_data(scenario, rank, device):
     return net_cls(
         module, lr=0.1, iterator_train__shuffle=scenario == 'shuffle',
         **common), *classification_data(N_SAMPLES[scenario])
+
+
+def outputs_of_step(batch, y_pred):
+    return y_pred
 
 
 def run(scenario, out_dir, device):
@@ -334,6 +348,8 @@ def run(scenario, out_dir, device):
         return pickle_and_resume(net, X, y, out_dir)
     if scenario == 'compile':
         return compile_and_pickle(net, X, y, out_dir)
+    if scenario == 'state':
+        net.get_loss = output_loss(net)  # of the probabilities
     params_before = sorted(net.get_params(deep=False))
     net.fit(X, y)
     draw = torch.rand(()).item() if scenario == 'load_best' else None
@@ -371,6 +387,7 @@ def run(scenario, out_dir, device):
         'batch_sizes': [[int(size) for size in sizes] for sizes in
                         net.history[:, 'batches', :, 'train_batch_size']],
         'step_batches': getattr(dict(net.callbacks_).get('steps'), 'records_', None),
+        'records': getattr(dict(net.callbacks_).get('records'), 'records_', None),
         # one batch: rank 1 pads
         'proba': torch.as_tensor(net.predict_proba(X[:5])) if scenario == 'samples'
         else None,
