@@ -308,8 +308,9 @@ def quoted_memory_plan():
     """The fragments of docs/benchmarks.rst that quote memory_plan.json."""
     plan = json.loads((RESULTS / 'memory_plan.json').read_text())
     assert not plan['quick'] and not plan['meta']['skorch_gradacc']['modified']
-    rows = [row for entry in plan['workloads'].values()
-            for row in entry['budgets'].values()]
+    budgets = [(int(budget), row) for entry in plan['workloads'].values()
+               for budget, row in entry['budgets'].items()]
+    rows = [row for _, row in budgets]
     fits = [fit for row in rows for fit in row['fits']]
     capped = [row['rlimit_as'] for row in rows if row['rlimit_as']]
 
@@ -344,15 +345,16 @@ def quoted_memory_plan():
             sum(len(fit['backoffs']) for fit in capped),
             _span([max(fit.get('max_param_diff', 0) for fit in capped)], '{:.1e}')),
         'the memory plans in about {:.0f} minutes'.format(plan['seconds'] / 60),
-    ] + quoted_small_threshold(rows)
+    ] + quoted_small_threshold(budgets)
 
 
-def quoted_small_threshold(rows):
-    """What docs/benchmarks.rst quotes of the fits under SMALL_THRESHOLD."""
-    from benchmarks.memory_plan import MiB, small_threshold
+def quoted_small_threshold(budgets):
+    """What docs/benchmarks.rst quotes of the fits under SMALL_THRESHOLD;
+    ``budgets``: (MiB, row) of each budget, whose default fits may have failed."""
+    from benchmarks.memory_plan import small_threshold
 
-    cells = [small_threshold(row, row['fits'][0]['plan']['budget'] // MiB).split('; ')
-             for row in rows]
+    rows = [row for _, row in budgets]
+    cells = [small_threshold(row, budget).split('; ') for budget, row in budgets]
     same = sum(len(set(sizes.split('/'))) == 1 for sizes, _, _ in cells)
     return ['chose the same size in all {} repeats for {} of the {} budgets'.format(
                 len(rows[0]['fits']), same, len(cells)),
