@@ -396,6 +396,7 @@ class TestPlan:
         assert max_param_diff(acc_net, plain_net) < PARAM_ATOL
         assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
 
+    @pytest.mark.slow  # a whole training on 4096 rows
     def test_a_budget_that_adams_state_dominates(self):
         # wide layers: Adam's state is twice the parameters; a budget that
         # whole batches would keep if the plan left it out, but not beside it
@@ -924,6 +925,7 @@ def run_in_users_process(code, *args, clear=(), check=True, **env):
         env=dict(users, PYTHONPATH=os.pathsep.join(sys.path), **env), check=check)
 
 
+@pytest.mark.slow  # processes of their own
 def test_malloc_threshold_is_left_to_a_process_that_set_it():
     # what the process started with counts, not os.environ later: Dask's
     # Nanny sets MALLOC_TRIM_THRESHOLD_ there, which malloc never reads
@@ -938,6 +940,7 @@ def test_malloc_threshold_is_left_to_a_process_that_set_it():
     assert outputs == ['True', 'False', 'False', 'True']
 
 
+@pytest.mark.slow  # processes of their own
 def test_tensors_freed_off_the_heap_leave_nothing_resident():
     # a process whose threshold moved (a freed 8 MiB tensor) has free blocks
     # on the heap (freed 2 MiB tensors, between live ones); a tensor that
@@ -982,6 +985,7 @@ def fit_loading(collate, layers, budget_mib):
     return run_in_users_process(code, str(budget_mib)).stdout
 
 
+@pytest.mark.slow  # processes of their own
 def test_what_loading_a_batch_left_free_is_not_the_steps():
     # a batch's loading leaves free blocks on the heap (here 16 MiB, below a
     # block still in use; less than a step takes); no pass of the plan saw
@@ -999,6 +1003,7 @@ def test_what_loading_a_batch_left_free_is_not_the_steps():
     assert measured <= 32, (measured, predicted, margin)
 
 
+@pytest.mark.slow  # processes of their own
 def test_what_loading_a_batch_takes_is_in_the_prediction():
     # loading a batch here takes 16 MiB for a while, more than a step of
     # the small model: the fit's peak, which the prediction left out (17 MiB
@@ -1014,6 +1019,7 @@ def test_what_loading_a_batch_takes_is_in_the_prediction():
     assert 'less than pieces of one row need' in refused, refused
 
 
+@pytest.mark.slow  # processes of their own
 def test_no_heap_blocks_are_held_under_a_cap_of_address_space():
     # under RLIMIT_AS, blocks held would take the room the fit has, and an
     # allocation that then fails while oneDNN compiles a kernel leaves every
