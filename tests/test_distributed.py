@@ -38,6 +38,7 @@ from test_inputs import (
     RecordsTraining,
     SplitStreamDataset,
     StateOutputMLP,
+    assert_records_equal,
     output_loss,
     penalized_loss,
 )
@@ -485,9 +486,7 @@ def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(ddp):
     expected = dict(net.fit(X, y).callbacks_)['records'].records_
     assert expected[0][1].shape == (2, 48, 3)
     for rank in ranks:
-        for outputs, plain in zip(rank['records'], expected, strict=True):
-            for got, want in zip(outputs, plain, strict=True):
-                torch.testing.assert_close(got, want, rtol=0, atol=PARAM_ATOL)
+        assert_records_equal(rank['records'], expected, atol=PARAM_ATOL)
     assert_same_as_single_process(ranks, net)
 
 
@@ -784,7 +783,6 @@ def test_model_outputs_reach_callbacks_as_model_outputs_over_ranks(tmp_path):
     assert [kind.__name__ for kind, _ in ours] == ['SequenceClassifierOutput'] * 2
     for (_, logits), (_, plain_logits) in zip(ours, expected, strict=True):
         torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
-
 
 
 def test_a_streams_length_is_no_limit_over_ranks_when_workers_split_it(tmp_path):

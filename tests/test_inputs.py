@@ -218,12 +218,17 @@ def assert_same_records(acc_net, plain_net):
     """The records of both nets' ``records`` callbacks, tensors in each."""
     ours, plain = (dict(net.callbacks_)['records'].records_
                    for net in (acc_net, plain_net))
+    assert_records_equal(ours, plain)
+    return plain
+
+
+def assert_records_equal(ours, plain, atol=1e-12):
+    """Records (sequences of tensors) equal, one by one, and some."""
     assert len(ours) == len(plain) > 0
     for record, expected in zip(ours, plain, strict=True):
         for got, want in zip(record, expected, strict=True):
             torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want),
-                                       rtol=0, atol=1e-12)
-    return plain
+                                       rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize('state_first', [False, True])
