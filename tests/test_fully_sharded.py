@@ -21,6 +21,12 @@ from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import Checkpoint, Freezer, GradientNormClipping, LRScheduler
 from skorch.history import History
+from test_inputs import (
+    RecordsTraining,
+    StateOutputMLP,
+    assert_records_equal,
+    output_loss,
+)
 from test_normalization import IGNORE, TokenTagger, token_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
@@ -75,7 +81,7 @@ SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'criterion', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
              'lbfgs', 'iterable',
              'skip', 'masked',
-             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile']
+             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile', 'state']
 LAUNCH_LIMIT = 480
 
 
@@ -214,6 +220,24 @@ def test_callbacks_see_each_steps_batch_over_all_ranks(fsdp):
     assert [kind for kind, _ in expected] == ['begin', 'grad'] * 2 * 5
     for rank in fsdp.ranks('samples'):
         assert rank['step_batches'] == expected
+
+
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LAUNCH_LIMIT + 60)
+def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(fsdp):
+    # as with DDP: an RNN's state of (layers, rows, ...) is cut and gathered
+    # along its rows, the large batch's (2, 48, 3)
+    X, y = classification_data(N_SAMPLES)
+    torch.manual_seed(0)
+    net = NeuralNetClassifier(
+        StateOutputMLP, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, lr=0.1,
+        optimizer__momentum=0.9, max_epochs=2, train_split=None, verbose=0,
+        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
+    net.get_loss = output_loss(net)
+    expected = dict(net.fit(X, y).callbacks_)['records'].records_
+    assert expected[0][1].shape == (2, 48, 3)
+    for rank in fsdp.ranks('state'):
+        assert_records_equal(rank['records'], expected, atol=PARAM_ATOL)
 
 
 @pytest.mark.slow  # torchrun

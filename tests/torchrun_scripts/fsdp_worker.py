@@ -71,6 +71,7 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from worker_common import run_scenarios, save_rank  # puts tests/ on sys.path
 
 # isort: split
+from test_inputs import RecordsTraining, StateOutputMLP, output_loss
 from test_normalization import IGNORE, TokenTagger, token_data
 
 from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
@@ -316,12 +317,19 @@ def make_net(scenario, max_epochs=2, X=None):
         common.update(criterion=ShiftedTemperedNLL, optimizer__weight_decay=0.01)
     if scenario == 'compile':
         common['compile'] = True
+    if scenario == 'state':  # an RNN's state beside the outputs, read by a callback
+        module = StateOutputMLP
+        common['callbacks'] = [('records', RecordsTraining(outputs_of_step))]
     return FSDPClassifier(
         module, lr=0.1,
         sync_each_batch=scenario == 'samples_each',
         mixed_precision={'bf16': 'bf16', 'fp16': 'fp16',
                          'fp16_spike': 'fp16'}.get(scenario),
         **common)
+
+
+def outputs_of_step(batch, y_pred):
+    return y_pred
 
 
 def fit(scenario, out_dir):
@@ -354,6 +362,8 @@ def fit(scenario, out_dir):
             lambda module, args, output: net.forward_dtypes_.add(output.dtype))
         if scenario in ('plan', 'lbfgs'):
             return refuse(net, X, y)
+        if scenario == 'state':
+            net.get_loss = output_loss(net)  # of the probabilities
         net.partial_fit(X, y)
         if scenario in ('bf16', 'fp16', 'batchnorm', 'micro'):  # shared: every rank
             net.proba_ = torch.as_tensor(net.predict_proba(
@@ -436,6 +446,7 @@ def run(scenario, out_dir):
         'proba': getattr(net, 'proba_', None),
         'valid': getattr(net, 'valid_', None),
         'step_batches': getattr(dict(net.callbacks_).get('steps'), 'records_', None),
+        'records': getattr(dict(net.callbacks_).get('records'), 'records_', None),
         'buffers': {name: buffer.detach().cpu().clone()
                     for name, buffer in net.module_.named_buffers()},
         'criterion': {key: value.detach().cpu() for key, value in getattr(
