@@ -36,7 +36,7 @@ MODELS = ('mlp', 'cnn', 'transformer')
 def python_m(module, *args):
     """``python -m module ARGS`` in a fresh interpreter, here, as documented;
     the checkout first on its path. The timeout guards against a hang, on a
-    busy machine: ``memory_plan --quick`` takes 40 s alone, 60 s beside the
+    busy machine: ``memory_plan --quick`` takes 30 s alone, 60 s beside the
     quick suite, and passed 600 s in one of two full suites run at once."""
     return subprocess.run(
         [sys.executable, '-m', module, *args], cwd=ROOT, capture_output=True,
