@@ -35,11 +35,9 @@ from test_inputs import (
     PenaltyOutputMLP,
     RecordOutputs,
     RecordPenalties,
-    RecordsTraining,
     SplitStreamDataset,
-    StateOutputMLP,
     assert_records_equal,
-    output_loss,
+    fit_plain_state_net,
     penalized_loss,
 )
 from test_mixed_precision import Float32MLP, HugeInitialScaleNet
@@ -476,14 +474,9 @@ def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(ddp):
     # gathered: an RNN's state of (layers, rows, ...) along its rows, so that
     # callbacks read the large batch's (2, 48, 3), as in plain skorch
     ranks = ddp.ranks('state')
-    X, y = classification_data(195)
-    torch.manual_seed(0)
-    net = NeuralNetClassifier(
-        StateOutputMLP, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, lr=0.1,
-        optimizer__momentum=0.9, max_epochs=2, train_split=None, verbose=0,
-        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
-    net.get_loss = output_loss(net)
-    expected = dict(net.fit(X, y).callbacks_)['records'].records_
+    net = fit_plain_state_net(*classification_data(195),
+                              BATCH_SIZE * ACC_STEPS * WORLD_SIZE)
+    expected = dict(net.callbacks_)['records'].records_
     assert expected[0][1].shape == (2, 48, 3)
     for rank in ranks:
         assert_records_equal(rank['records'], expected, atol=PARAM_ATOL)

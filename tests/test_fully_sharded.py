@@ -21,12 +21,7 @@ from sklearn.datasets import make_classification
 from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import Checkpoint, Freezer, GradientNormClipping, LRScheduler
 from skorch.history import History
-from test_inputs import (
-    RecordsTraining,
-    StateOutputMLP,
-    assert_records_equal,
-    output_loss,
-)
+from test_inputs import assert_records_equal, fit_plain_state_net
 from test_normalization import IGNORE, TokenTagger, token_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
@@ -227,14 +222,9 @@ def test_callbacks_see_each_steps_batch_over_all_ranks(fsdp):
 def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(fsdp):
     # as with DDP: an RNN's state of (layers, rows, ...) is cut and gathered
     # along its rows, the large batch's (2, 48, 3)
-    X, y = classification_data(N_SAMPLES)
-    torch.manual_seed(0)
-    net = NeuralNetClassifier(
-        StateOutputMLP, batch_size=BATCH_SIZE * ACC_STEPS * WORLD_SIZE, lr=0.1,
-        optimizer__momentum=0.9, max_epochs=2, train_split=None, verbose=0,
-        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
-    net.get_loss = output_loss(net)
-    expected = dict(net.fit(X, y).callbacks_)['records'].records_
+    net = fit_plain_state_net(*classification_data(N_SAMPLES),
+                              BATCH_SIZE * ACC_STEPS * WORLD_SIZE)
+    expected = dict(net.callbacks_)['records'].records_
     assert expected[0][1].shape == (2, 48, 3)
     for rank in fsdp.ranks('state'):
         assert_records_equal(rank['records'], expected, atol=PARAM_ATOL)

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from skorch import NeuralNet
+from skorch import NeuralNet, NeuralNetClassifier
 from skorch.callbacks import BatchScoring, Callback
 from skorch.dataset import Dataset
 from test_normalization import IGNORE, TokenTagger, token_data
@@ -252,6 +252,18 @@ def test_a_state_of_layers_then_rows_joins_along_its_rows(clf_data, state_first)
                         for index, outputs in enumerate(zip(*net.forward_iter(X)))]
     for ours, expected in zip(acc_net.outputs_, plain_net.outputs_, strict=True):
         torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+
+
+def fit_plain_state_net(X, y, batch_size):
+    """Plain skorch at ``batch_size`` on a StateOutputMLP, as the torchrun
+    tests' oracle: its ``records`` callback holds each step's outputs."""
+    torch.manual_seed(0)
+    net = NeuralNetClassifier(
+        StateOutputMLP, batch_size=batch_size, lr=0.1, optimizer__momentum=0.9,
+        max_epochs=2, train_split=None, verbose=0,
+        callbacks=[('records', RecordsTraining(lambda batch, y_pred: y_pred))])
+    net.get_loss = output_loss(net)
+    return net.fit(X, y)
 
 
 def output_loss(net, index=0):
