@@ -10,7 +10,7 @@ which resets ``VmHWM``: a memory cgroup (v1) per process, its peak reset before
 ``'auto'`` under a cgroup limit of that usage plus the budget. Fixed sizes, bisected
 (to 10%) for the largest whose repeats all stay within the budget, run uncapped after
 ``tensors_off_the_heap`` as ``'auto'`` does; at the middle budget, ``RLIMIT_AS``. And
-``'auto'`` again with ``SMALL_THRESHOLD`` (tensors of 32 KiB or more off the heap).
+``'auto'`` again with ``GLIBC_THRESHOLD`` (glibc's default threshold, 128 KiB, fixed).
 """
 
 import ctypes
@@ -46,7 +46,7 @@ QUICK = {'mlp': (2048, 2, (40,))}  # the machinery, on one workload
 EPOCHS, REPEATS, TOLERANCE = 2, {False: 3, True: 1}, {False: 1.1, True: 2.0}
 CE = {'criterion': torch.nn.CrossEntropyLoss}  # on logits (skorch's default: NLL)
 SGD = dict(CE, optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=0.01)
-SMALL_THRESHOLD = {'MALLOC_MMAP_THRESHOLD_': '32768'}  # what a user may set
+GLIBC_THRESHOLD = {'MALLOC_MMAP_THRESHOLD_': '131072'}  # glibc's default, not moving
 
 
 class GRUClassifier(torch.nn.GRU):
@@ -208,7 +208,7 @@ def measure(name, budget, quick):
             'probes': dict(sorted(probes.items())),
             'rlimit_as': spawn(kind='rlimit_as', params=auto, **run) if budget == (
                 budgets[len(budgets) // 2]) else None,
-            'small_threshold': [spawn(kind='auto', params=auto, env=SMALL_THRESHOLD,
+            'glibc_threshold': [spawn(kind='auto', params=auto, env=GLIBC_THRESHOLD,
                                       **run) for _ in range(REPEATS[quick])],
             'measured_vs_budget': [fit['peak'] / budget / MiB for fit in fits
                                    if fit['peak'] is not None],
@@ -232,7 +232,7 @@ def tables(results):
         'workload', 'B', 'budget (MiB)', 'chosen', 'max measured / budget',
         'predicted / measured', 'largest fixed within budget', 'chosen / largest',
         'pieces per batch: largest fixed; chosen', 'planning (steps)', 'back-offs',
-        'killed', 'under RLIMIT_AS', 'with MALLOC_MMAP_THRESHOLD_=32768: chosen; max '
+        'killed', 'under RLIMIT_AS', 'with MALLOC_MMAP_THRESHOLD_=131072: chosen; max '
         'measured / budget; step time / default']] + [[
         name, entry['batch_size'], budget, '/'.join(map(str, row['chosen'])),
         _span(row['measured_vs_budget'] and [max(row['measured_vs_budget'])]),
@@ -243,14 +243,14 @@ def tables(results):
         sum(fit['killed'] for fit in row['fits']), (cap := row['rlimit_as']) and (
             '{}; {} back-offs; {:.1e}'.format(('trained', 'failed')[bool(cap['error'])],
                 len(cap['backoffs']), cap.get('max_param_diff', float('nan')))) or '-',
-        small_threshold(row, int(budget))]
+        glibc_threshold(row, int(budget))]
         for name, entry in results['workloads'].items()
         for budget, row in entry['budgets'].items()]}
 
 
-def small_threshold(row, budget):
-    """The column of the ``SMALL_THRESHOLD`` fits of a budget (MiB)."""
-    if not (fits := row.get('small_threshold')) or any(fit['error'] for fit in fits):
+def glibc_threshold(row, budget):
+    """The column of the ``GLIBC_THRESHOLD`` fits of a budget (MiB)."""
+    if not (fits := row.get('glibc_threshold')) or any(fit['error'] for fit in fits):
         return 'failed' if fits else '-'
     step = [np.nanmean([f['step_seconds'] or np.nan for f in each])  # of those trained
             for each in (fits, row['fits'])]

@@ -22,8 +22,11 @@ __all__ = ['ActivationMemory', 'MemoryMeter', 'available_memory',
            'fix_malloc_threshold', 'tensors_off_the_heap',
            'track_activation_memory']
 
-# glibc's default mmap threshold, which fix_malloc_threshold keeps
-MALLOC_THRESHOLD = 128 * 2 ** 10
+# the mmap threshold fix_malloc_threshold sets, half glibc's default: blocks
+# of 64 to 128 KiB (a recurrent net's states at some rows) on the heap made
+# peaks, and so plans, differ between processes (the benchmark's column
+# at 128 KiB); off it, they go back to the OS when freed, at a syscall each
+MALLOC_THRESHOLD = 64 * 2 ** 10
 
 
 def available_memory(device):
@@ -185,15 +188,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's options
 
 
 def fix_malloc_threshold():
-    """Keep glibc's mmap threshold at its default, 128 KiB; whether it did.
+    """Fix glibc's mmap threshold at 64 KiB; whether it did.
 
     glibc gives each block above the threshold a mapping of its own, which
     ``free`` returns to the OS, and raises the threshold to each such block
     it frees: later tensors then come from the heap, which keeps what they
     free, and resident memory grows with what ran before (twice what the
     tensors take, in some fits). From this call on, for the whole process,
-    the threshold (and the heap's trim threshold) stays at glibc's default,
-    as with ``MALLOC_MMAP_THRESHOLD_=131072``. A fit with
+    the threshold (and the heap's trim threshold) stays at
+    ``MALLOC_THRESHOLD``, as with ``MALLOC_MMAP_THRESHOLD_=65536``. A fit with
     ``micro_batch_size='auto'`` on the CPU calls it. Nothing is changed
     where the process set the thresholds itself (``MALLOC_MMAP_THRESHOLD_``,
     ``MALLOC_TRIM_THRESHOLD_`` or their ``GLIBC_TUNABLES``, as it started)
@@ -216,7 +219,7 @@ def fix_malloc_threshold():
 
 @contextlib.contextmanager
 def tensors_off_the_heap():
-    """Give tensors of 128 KiB or more mappings of their own, for a while.
+    """Give tensors of 64 KiB or more mappings of their own, for a while.
 
     :func:`fix_malloc_threshold`, then, where it did, holds the heap's free
     blocks of at least the threshold, untouched (their pages given back

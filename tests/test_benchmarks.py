@@ -345,16 +345,16 @@ def quoted_memory_plan():
             sum(len(fit['backoffs']) for fit in capped),
             _span([max(fit.get('max_param_diff', 0) for fit in capped)], '{:.1e}')),
         'the memory plans in about {:.0f} minutes'.format(plan['seconds'] / 60),
-    ] + quoted_small_threshold(budgets)
+    ] + quoted_glibc_threshold(budgets)
 
 
-def quoted_small_threshold(budgets):
-    """What docs/benchmarks.rst quotes of the fits under SMALL_THRESHOLD;
+def quoted_glibc_threshold(budgets):
+    """What docs/benchmarks.rst quotes of the fits under GLIBC_THRESHOLD;
     ``budgets``: (MiB, row) of each budget, whose default fits may have failed."""
-    from benchmarks.memory_plan import small_threshold
+    from benchmarks.memory_plan import glibc_threshold
 
     rows = [row for _, row in budgets]
-    cells = [small_threshold(row, budget).split('; ') for budget, row in budgets]
+    cells = [glibc_threshold(row, budget).split('; ') for budget, row in budgets]
     same = sum(len(set(sizes.split('/'))) == 1 for sizes, _, _ in cells)
     return ['chose the same size in all {} repeats for {} of the {} budgets'.format(
                 len(rows[0]['fits']), same, len(cells)),
@@ -372,16 +372,16 @@ def test_docs_quote_the_committed_results():
 
 # ------------------------------------------------ the memory planner's benchmark
 
-def test_small_threshold_column_renders_around_failed_fits():
+def test_glibc_threshold_column_renders_around_failed_fits():
     # a default fit that failed has no step time: the ratio is of those trained
-    from benchmarks.memory_plan import MiB, small_threshold
+    from benchmarks.memory_plan import MiB, glibc_threshold
     fit = {'error': None, 'step_seconds': 2.0, 'peak': 16 * MiB,
            'plan': {'micro_batch_size': 5}}
     failed = {'error': 'MemoryError', 'step_seconds': None, 'peak': None}
-    row = {'small_threshold': [fit], 'fits': [failed, dict(fit, step_seconds=1.0)]}
-    assert small_threshold(row, 32) == '5; 0.50; 2.00'
-    assert small_threshold(dict(row, small_threshold=[failed]), 32) == 'failed'
-    assert small_threshold({'fits': [fit]}, 32) == '-'
+    row = {'glibc_threshold': [fit], 'fits': [failed, dict(fit, step_seconds=1.0)]}
+    assert glibc_threshold(row, 32) == '5; 0.50; 2.00'
+    assert glibc_threshold(dict(row, glibc_threshold=[failed]), 32) == 'failed'
+    assert glibc_threshold({'fits': [fit]}, 32) == '-'
 
 
 def test_largest_fitting_bisects_to_the_tolerance():
@@ -446,11 +446,11 @@ def test_memory_plan_quick_run():
             capped = row['rlimit_as']
             assert capped['error'] is None and not capped['killed']
             assert 0 <= capped['max_param_diff'] < 1e-3  # float32
-            # and 'auto' in a process started with a threshold of 32 KiB
-            assert len(row['small_threshold']) == results['repeats']
-            for fit in row['small_threshold']:
-                assert fit['malloc'] == memory_plan.SMALL_THRESHOLD[
-                    'MALLOC_MMAP_THRESHOLD_'] == '32768'
+            # and 'auto' in a process started with glibc's threshold, fixed
+            assert len(row['glibc_threshold']) == results['repeats']
+            for fit in row['glibc_threshold']:
+                assert fit['malloc'] == memory_plan.GLIBC_THRESHOLD[
+                    'MALLOC_MMAP_THRESHOLD_'] == '131072'
                 assert fit['error'] is None and 0 < fit['peak'] <= budget * MiB
                 assert fit['plan']['budget'] == budget * MiB
     assert results['targets'] == memory_plan.targets(results)
