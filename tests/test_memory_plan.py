@@ -9,12 +9,14 @@ batch, the same plan in fresh processes.
 """
 
 import copy
+import functools
 import os
 import pickle
 import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -925,6 +927,13 @@ def run_in_users_process(code, *args, clear=(), check=True, **env):
         env=dict(users, PYTHONPATH=os.pathsep.join(sys.path), **env), check=check)
 
 
+def side_by_side(*calls):
+    """Return what ``calls`` (of no arguments, each starting a process of its
+    own) return, run side by side: a process measures only itself."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 @pytest.mark.slow  # processes of their own
 def test_malloc_threshold_is_left_to_a_process_that_set_it():
     # what the process started with counts, not os.environ later: Dask's
@@ -932,11 +941,12 @@ def test_malloc_threshold_is_left_to_a_process_that_set_it():
     code = ('import os, sys; from skorch_gradacc.meters import '
             'fix_malloc_threshold; os.environ.update(MALLOC_TRIM_THRESHOLD_='
             '"65536") if sys.argv[1:] else None; print(fix_malloc_threshold())')
-    outputs = [run_in_users_process(code, *later, **extra).stdout.strip()
-               for extra, later in (
+    outputs = [run.stdout.strip() for run in side_by_side(*(
+        functools.partial(run_in_users_process, code, *later, **extra)
+        for extra, later in (
             ({}, []), ({'MALLOC_MMAP_THRESHOLD_': '65536'}, []),
             ({'GLIBC_TUNABLES': 'glibc.malloc.trim_threshold=4096'}, []),
-            ({}, ['later']))]
+            ({}, ['later']))))]
     assert outputs == ['True', 'False', 'False', 'True']
 
 
@@ -953,8 +963,9 @@ def test_tensors_of_64_kib_go_back_to_the_os_when_freed():
         'meters._LIBC.malloc_trim(0); meter = meters.MemoryMeter("cpu")\n'
         'kept = [torch.ones(24 * 2 ** 10) for _ in range(128)]; del kept[::2]\n'
         'print(meter.held() / 2 ** 20)')
-    held_mib = [float(run_in_users_process(code, *fixed).stdout)
-                for fixed in ([], ['fixed'])]
+    held_mib = [float(run.stdout) for run in side_by_side(*(
+        functools.partial(run_in_users_process, code, *fixed)
+        for fixed in ([], ['fixed'])))]
     # 128 blocks of 96 KiB, 12 MiB, half of them freed
     assert held_mib[0] >= 11 and held_mib[1] <= 7, held_mib
 
@@ -973,8 +984,9 @@ def test_tensors_freed_off_the_heap_leave_nothing_resident():
         'held.__enter__() if held else meters.fix_malloc_threshold()\n'
         'meters._LIBC.malloc_trim(0); meter = meters.MemoryMeter("cpu")\n'
         'x = torch.ones(2 ** 18); del x; print(meter.held() / 2 ** 20)')
-    held_mib = [float(run_in_users_process(code, *held).stdout)
-                for held in ([], ['held'])]
+    held_mib = [float(run.stdout) for run in side_by_side(*(
+        functools.partial(run_in_users_process, code, *held)
+        for held in ([], ['held'])))]
     assert held_mib[0] >= 0.9 and held_mib[1] <= 0.1, held_mib
 
 
@@ -1032,9 +1044,10 @@ def test_what_loading_a_batch_takes_is_in_the_prediction():
             'junk = [torch.ones(2 ** 13) for _ in range(512)]',
             'torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)',
             budget_mib)
-    measured, predicted, _ = map(float, fit(32).split())
+    fitted, refused = side_by_side(functools.partial(fit, 32),
+                                   functools.partial(fit, 12))
+    measured, predicted, _ = map(float, fitted.split())
     assert 16 <= measured <= predicted + 1, (measured, predicted)
-    refused = fit(12)
     assert 'less than pieces of one row need' in refused, refused
 
 
@@ -1052,8 +1065,9 @@ def test_no_heap_blocks_are_held_under_a_cap_of_address_space():
         'if sys.argv[1:]: resource.setrlimit(resource.RLIMIT_AS, (2 ** 40, '
         'resource.RLIM_INFINITY))\n'
         'print(len(meters._take_free_heap_blocks()))')
-    held = [int(run_in_users_process(code, *capped).stdout)
-            for capped in ([], ['capped'])]
+    held = [int(run.stdout) for run in side_by_side(*(
+        functools.partial(run_in_users_process, code, *capped)
+        for capped in ([], ['capped'])))]
     assert held[0] > 0 and held[1] == 0, held
 
 
