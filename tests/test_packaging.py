@@ -72,7 +72,8 @@ def test_build_makes_an_sdist_and_a_wheel(dist):
 @pytest.mark.slow
 def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
     env_dir = tmp_path / 'venv'
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    # without pip of its own: this test's pip installs into it (--python)
+    venv.EnvBuilder(system_site_packages=True).create(env_dir)
     python = env_dir / 'bin' / 'python'
     # the dependencies: the test's site-packages, as plain path entries, so
     # after the venv's own and without their .pth files (an editable install
@@ -86,7 +87,8 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
     # --ignore-installed: the test's environment may hold the package too
     # (an editable install of the checkout); the wheel goes into the venv
     subprocess.run(
-        [str(python), '-m', 'pip', 'install', '--no-deps', '--no-index',
+        [sys.executable, '-m', 'pip', '--python', str(python), 'install',
+         '--no-deps', '--no-index',
          '--ignore-installed', '--disable-pip-version-check', str(wheel)],
         check=True, capture_output=True, timeout=300)
     elsewhere = tmp_path / 'elsewhere'
