@@ -70,9 +70,6 @@ from conftest import (
     RowsNeededMLP,
     TemperedNLL,
     assert_ranks_backed_off_alike,
-    background,
-    background_folder,
-    background_result,
     classification_data,
     fit_seeded,
     param_diff,
@@ -100,21 +97,11 @@ class PicklableDDPClassifier(DistributedGradAccMixin, GradAccNeuralNetClassifier
     """A DDP classifier that a pickle finds (the worker's own are __main__'s)."""
 
 
-def run_ddp():
-    """One torchrun launch of the worker for all of SCENARIOS, in the
-    background from the collection's end (conftest.py), beside the tests
-    that run in this process."""
-    return launch_scenarios(WORKER, background_folder('ddp'), SCENARIOS,
-                            timeout=LAUNCH_LIMIT)
-
-
-# the mark of a test that reads the launch (it runs after the others)
-LAUNCHED = background(run_ddp)
-
-
 @pytest.fixture(scope='module')
-def ddp():
-    return background_result(run_ddp)
+def ddp(tmp_path_factory):
+    """One torchrun launch of the worker for all of SCENARIOS."""
+    return launch_scenarios(WORKER, tmp_path_factory.mktemp('ddp'), SCENARIOS,
+                            timeout=LAUNCH_LIMIT)
 
 
 def single_process(net_cls, X, y=None, **kwargs):
@@ -149,7 +136,6 @@ def classifier(n_samples, module=MLPClassifier, **kwargs):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_the_launch_of_all_scenarios_succeeds(ddp):
     # every scenario completed and every rank tore down cleanly; a test
@@ -158,7 +144,6 @@ def test_the_launch_of_all_scenarios_succeeds(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_rows_that_fill_no_whole_step_leave_a_rank_empty(ddp):
     ranks = ddp.ranks('samples')
@@ -202,7 +187,6 @@ def assert_backed_off_alike(ranks, max_rows):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
     # micro_batch_size='auto' where only rank 1 runs out of memory above 4
@@ -219,7 +203,6 @@ def test_out_of_memory_on_one_rank_backs_off_and_replays(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_ranks_that_fail_apart_back_off_to_the_least_size(ddp):
     # after the plan, rank 0's module fails above 6 rows and rank 1's above
@@ -261,7 +244,6 @@ def assert_plan_refused(ranks):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(ddp):
     # only rank 1 has a budget, of 1 byte: every rank raises the ValueError
@@ -291,7 +273,6 @@ def assert_plan_failed_alike(ranks, max_rows):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(ddp):
     # only rank 1's module fails above 4 rows, from the start: the plan's
@@ -305,7 +286,6 @@ def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_shuffled_data_over_two_epochs(ddp):
     # the ranks are seeded differently; every rank draws rank 0's order,
@@ -322,7 +302,6 @@ def test_shuffled_data_over_two_epochs(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_drop_last_drops_the_short_last_step_as_the_large_batch(ddp):
     # 203 rows: the large batch of 48 drops 11 rows; the ranks drop the 3
@@ -335,7 +314,6 @@ def test_drop_last_drops_the_short_last_step_as_the_large_batch(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(ddp):
     # token counts differ between ranks in every step; averaging the ranks'
@@ -353,7 +331,6 @@ def test_uneven_item_counts_are_normalized_globally(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_bucketing_batch_sampler_with_dynamic_padding(ddp):
     # micro-batches of 4 sequences of similar lengths, padded to their own
@@ -370,7 +347,6 @@ def test_bucketing_batch_sampler_with_dynamic_padding(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_iterable_dataset_of_micro_batches(ddp):
     # no length: every rank reads the stream and keeps its own micro-batches
@@ -382,7 +358,6 @@ def test_iterable_dataset_of_micro_batches(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('scenario, kwargs', [
     ('groups', dict(optimizer__param_groups=[('hidden.*', {'lr': 0.0})])),
@@ -405,7 +380,6 @@ def test_parameter_name_patterns_match_as_in_a_plain_net(ddp, scenario,
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_criterions_parameters_are_trained_over_all_ranks(ddp):
     # DDP reduces the module's gradients; the criterion's are summed apart,
@@ -420,7 +394,6 @@ def test_a_criterions_parameters_are_trained_over_all_ranks(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.filterwarnings('ignore::skorch_gradacc.BatchNormWarning')
 def test_every_rank_ends_with_rank_zeros_buffers(ddp):
@@ -445,7 +418,6 @@ def test_every_rank_ends_with_rank_zeros_buffers(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_compiled_ddp_trains_saves_and_pickles_as_plain_skorch_compiled(ddp):
     # skorch compiles DDP's module after initialize_module, as torch advises:
@@ -477,7 +449,6 @@ def test_compiled_ddp_trains_saves_and_pickles_as_plain_skorch_compiled(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_model_outputs_reach_callbacks_as_model_outputs_on_every_rank(ddp):
     # the outputs of both ranks' micro-batches, gathered in the large
@@ -497,7 +468,6 @@ def test_model_outputs_reach_callbacks_as_model_outputs_on_every_rank(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(ddp):
     # each rank's outputs are cut into its micro-batches' rows to be
@@ -514,7 +484,6 @@ def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_loading_the_best_epoch_leaves_the_random_state_as_plain_skorch(
         ddp, tmp_path):
@@ -530,7 +499,6 @@ def test_loading_the_best_epoch_leaves_the_random_state_as_plain_skorch(
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_checkpoint_pickles_the_net_once_and_it_loads_anywhere(ddp):
     # skorch's Checkpoint pickles the net itself: on rank 0 alone, as the
@@ -578,29 +546,12 @@ def test_nccl_on_every_gpu_matches_single_process(tmp_path):
         ranks, classifier(195, batch_size=BATCH_SIZE * ACC_STEPS * n_gpus))
 
 
-def run_alone(scenario):
-    """A launch of ``scenario`` alone (it ends the launch), in the
-    background from the collection's end (conftest.py), beside the tests
-    that run in this process."""
-    return launch_scenarios(WORKER, background_folder(scenario), [scenario],
-                            timeout=TIME_LIMIT)
-
-
-def run_uneven():
-    return run_alone('uneven')
-
-
-def run_raise():
-    return run_alone('raise')
-
-
 @pytest.mark.slow  # torchrun
-@background(run_uneven)
 @pytest.mark.timeout(TIME_LIMIT + 60)
-def test_ranks_whose_own_samplers_make_unequal_steps_are_refused():
+def test_ranks_whose_own_samplers_make_unequal_steps_are_refused(tmp_path):
     # a launch of its own: each rank raises before training, where the one
     # with more steps would wait for the others forever
-    run = background_result(run_uneven)
+    run = launch_scenarios(WORKER, tmp_path, ['uneven'], timeout=TIME_LIMIT)
     assert not run.timed_out  # a hang
     message = ("ValueError: The ranks' training iterators, sharded by their own "
                "sampler, make 1 to 2 steps; give each the same number of batches "
@@ -609,19 +560,17 @@ def test_ranks_whose_own_samplers_make_unequal_steps_are_refused():
 
 
 @pytest.mark.slow  # torchrun
-@background(run_raise)
 @pytest.mark.timeout(TIME_LIMIT + 60)
-def test_a_failing_rank_does_not_hang():
+def test_a_failing_rank_does_not_hang(tmp_path):
     # a launch of its own: the failing rank ends it
-    run = background_result(run_raise)
+    run = launch_scenarios(WORKER, tmp_path, ['raise'], timeout=TIME_LIMIT)
     assert not run.timed_out  # a hang
     assert run.returncode != 0
     assert 'rank 1 fails on purpose' in run.output
-    assert not (run.out_dir / 'raise' / 'rank0.pt').exists()
+    assert not (tmp_path / 'raise' / 'rank0.pt').exists()
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_accelerate_mixin_under_torchrun(ddp):
     pytest.importorskip('accelerate')
@@ -640,7 +589,6 @@ def test_accelerate_mixin_under_torchrun(ddp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_criterion_the_accelerator_wraps_in_ddp_trains_as_in_one_process(ddp):
     # Accelerate wraps a criterion with parameters in DDP, whose own
@@ -658,36 +606,27 @@ def test_a_criterion_the_accelerator_wraps_in_ddp_trains_as_in_one_process(ddp):
                                        rtol=0, atol=PARAM_ATOL)
 
 
-def run_scaling_out_recipe():
-    """The docs' train.py, a literal block, run as the page says under
-    late_release.py, in the background from the collection's end
-    (conftest.py): the launch and its folder."""
-    folder = background_folder('scaling_out')
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_scaling_out_recipe_runs_under_torchrun(tmp_path):
+    # the docs' train.py is a literal block, run here as the page says, with
+    # a watch on where each hook's callback is freed: on a gloo thread, it
+    # can be freed after the rank has begun to exit, and the rank aborts
     text = (Path(__file__).parent.parent / 'docs' / 'scaling_out.rst').read_text()
     start = text.index('Save this as ``train.py``::') + len(
         'Save this as ``train.py``::')
     block = text[start:text.index('and run it on one machine')]
     script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
-    (folder / 'train.py').write_text(script + '\n')
-    return launch(LATE_RELEASE, folder, 'train.py', cwd=folder,
-                  timeout=TIME_LIMIT)
-
-
-@pytest.mark.slow  # torchrun
-@background(run_scaling_out_recipe)
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_scaling_out_recipe_runs_under_torchrun():
-    # the docs' train.py is a literal block, run here as the page says, with
-    # a watch on where each hook's callback is freed: on a gloo thread, it
-    # can be freed after the rank has begun to exit, and the rank aborts
-    run = background_result(run_scaling_out_recipe)
+    (tmp_path / 'train.py').write_text(script + '\n')
+    run = launch(LATE_RELEASE, tmp_path, 'train.py', cwd=tmp_path,
+                 timeout=TIME_LIMIT)
     out = run.output
     assert run.returncode == 0, run.tail()
     assert 'terminate called' not in out
     assert 'freed a hook callback on thread' not in out
     for rank in range(WORLD_SIZE):
         assert 'rank {} watches its comm hook'.format(rank) in out
-    assert (run.out_dir / 'params.pt').exists()
+    assert (tmp_path / 'params.pt').exists()
 
 
 class RecordsSamplerEpochs(Callback):

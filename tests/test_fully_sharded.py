@@ -41,9 +41,6 @@ from conftest import (
     RecordsStepBatches,
     ShiftedTemperedNLL,
     assert_ranks_backed_off_alike,
-    background,
-    background_folder,
-    background_result,
     classification_data,
     fit_seeded,
 )
@@ -83,21 +80,11 @@ SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
 LAUNCH_LIMIT = 480
 
 
-def run_fsdp():
-    """One torchrun launch of the worker for all of SCENARIOS, in the
-    background from the collection's end (conftest.py), beside the tests
-    that run in this process."""
-    return launch_scenarios(WORKER, background_folder('fsdp'), SCENARIOS,
-                            timeout=LAUNCH_LIMIT)
-
-
-# the mark of a test that reads the launch (it runs after the others)
-LAUNCHED = background(run_fsdp)
-
-
 @pytest.fixture(scope='module')
-def fsdp():
-    return background_result(run_fsdp)
+def fsdp(tmp_path_factory):
+    """One torchrun launch of the worker for all of SCENARIOS."""
+    return launch_scenarios(WORKER, tmp_path_factory.mktemp('fsdp'), SCENARIOS,
+                            timeout=LAUNCH_LIMIT)
 
 
 @pytest.fixture(scope='module')
@@ -166,7 +153,6 @@ def test_every_engine_lets_the_pieces_end_their_step(tmp_path, engine_class):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_the_launch_of_all_scenarios_succeeds(fsdp):
     # every scenario completed and every rank tore down cleanly; a test
@@ -175,7 +161,6 @@ def test_the_launch_of_all_scenarios_succeeds(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('scenario, reduce_scatters', [
     ('samples', 2 * 5),  # once per step
@@ -205,7 +190,6 @@ def test_samples_match_single_process(fsdp, oracle, scenario, reduce_scatters):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_gradient_clipping_sees_the_whole_gradient(fsdp, oracle):
     # skorch's GradientNormClipping, on_grad_computed, clips the sharded
@@ -222,7 +206,6 @@ def test_gradient_clipping_sees_the_whole_gradient(fsdp, oracle):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_callbacks_see_each_steps_batch_over_all_ranks(fsdp):
     # in on_batch_begin and on_grad_computed, the batch is the step's over
@@ -235,7 +218,6 @@ def test_callbacks_see_each_steps_batch_over_all_ranks(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(fsdp):
     # as with DDP: an RNN's state of (layers, rows, ...) is cut and gathered
@@ -249,7 +231,6 @@ def test_a_state_of_layers_then_rows_reaches_callbacks_whole_on_every_rank(fsdp)
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_bf16_is_fsdp_mixed_precision(fsdp, oracle):
     # bf16 parameters in the forward pass, float64 shards, fp32 reductions
@@ -269,7 +250,6 @@ def test_bf16_is_fsdp_mixed_precision(fsdp, oracle):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('scenario', ['bf16', 'fp16'])
 def test_mixed_precision_predicts_in_the_modules_dtype(fsdp, oracle, scenario):
@@ -282,7 +262,6 @@ def test_mixed_precision_predicts_in_the_modules_dtype(fsdp, oracle, scenario):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_bf16_validates_in_the_modules_dtype(fsdp, oracle):
     # the policy's passes, cast back: skorch's scoring takes no bfloat16
@@ -316,7 +295,6 @@ def test_cuda_nccl_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_uneven_item_counts_are_normalized_globally(fsdp):
     # shuffled; 117 rows: 15 micro-batches, so in each epoch's last step
@@ -337,7 +315,6 @@ def test_uneven_item_counts_are_normalized_globally(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_checkpoint_resumes_and_loads_into_a_plain_net(fsdp, oracle):
     # one epoch, save_params, a new net with other weights load_params and
@@ -367,7 +344,6 @@ def test_checkpoint_resumes_and_loads_into_a_plain_net(fsdp, oracle):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_criterions_parameters_train_and_resume_beside_the_shards(fsdp):
     # the optimizer holds the criterion's parameters (replicated) beside the
@@ -393,7 +369,6 @@ def test_a_criterions_parameters_train_and_resume_beside_the_shards(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_compiled_fsdp2_trains_and_saves_as_plain_skorch_compiled(fsdp):
     # skorch compiles the sharded root after initialize_module, as torch
@@ -406,7 +381,6 @@ def test_compiled_fsdp2_trains_and_saves_as_plain_skorch_compiled(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.filterwarnings('ignore::skorch_gradacc.BatchNormWarning')
 def test_every_rank_holds_rank_zeros_buffers(fsdp):
@@ -439,7 +413,6 @@ def test_every_rank_holds_rank_zeros_buffers(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('scenario', ['micro', 'iterable'])
 def test_options_match_single_process(fsdp, oracle, scenario):
@@ -484,7 +457,6 @@ def assert_backed_off_alike(ranks, max_rows):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_out_of_memory_on_one_rank_backs_off_and_replays(fsdp, oracle):
     # micro_batch_size='auto' where only rank 1 runs out of memory above 4
@@ -501,7 +473,6 @@ def test_out_of_memory_on_one_rank_backs_off_and_replays(fsdp, oracle):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_ranks_that_fail_apart_back_off_to_the_least_size(fsdp):
     # after the plan, rank 0's module fails above 6 rows and rank 1's above
@@ -533,7 +504,6 @@ PLAN_REFUSED_ELSEWHERE = (
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(fsdp):
     # only rank 1 has a budget, of 1 byte: every rank raises the ValueError
@@ -552,7 +522,6 @@ def test_a_budget_too_small_on_one_rank_is_refused_on_every_rank(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_lbfgs_beside_an_uneven_shard_is_refused_before_training(fsdp):
     # torch's LBFGS views each gradient as a vector, which a DTensor sharded
@@ -569,7 +538,6 @@ def test_lbfgs_beside_an_uneven_shard_is_refused_before_training(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(fsdp, oracle):
     # only rank 1's module fails above 4 rows, from the start: the plan's
@@ -596,7 +564,6 @@ def test_every_rank_takes_the_plan_of_a_rank_that_fails_in_it(fsdp, oracle):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_step_non_finite_on_one_shard_is_skipped_everywhere(fsdp):
     # the second step's gradient is infinite in rank 1's shard only; the
@@ -617,7 +584,6 @@ def test_a_step_non_finite_on_one_shard_is_skipped_everywhere(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_a_micro_batch_without_items_adds_nothing(fsdp):
     # rank 1's first micro-batch has rows but no item: its masked mean loss
@@ -631,7 +597,6 @@ def test_a_micro_batch_without_items_adds_nothing(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_distributed_sampler_gets_set_epoch(fsdp):
     ranks = fsdp.ranks('sampler')
@@ -653,7 +618,6 @@ def test_distributed_sampler_gets_set_epoch(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_fp16_scaler_decides_alike_on_every_rank(fsdp, oracle):
     # float16 parameters in the forward pass, float32 reductions, and a
@@ -692,7 +656,6 @@ def max_distance(state, expected):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_fp16_token_model_fares_as_one_process(fsdp):
     # 384 tokens per micro-batch: weighted by them (a unit of 1) times the
@@ -709,7 +672,6 @@ def test_fp16_token_model_fares_as_one_process(fsdp):
 
 
 @pytest.mark.slow  # torchrun
-@LAUNCHED
 @pytest.mark.timeout(LAUNCH_LIMIT + 60)
 def test_fp16_overflow_in_one_shard_skips_on_every_rank(fsdp):
     # the second step's gradient is infinite in rank 1's shard only: the
@@ -939,11 +901,12 @@ class TestValidation:
         assert params['acc_steps'] == 1
 
 
-def run_scaling_out_fsdp_recipe():
-    """The docs' train_fsdp.py and the train.py it imports from, literal
-    blocks, run as the page says, in the background from the collection's
-    end (conftest.py): the launch; its folder holds the scripts."""
-    folder = background_folder('scaling_out_fsdp')
+@pytest.mark.slow  # torchrun
+@pytest.mark.timeout(TIME_LIMIT + 60)
+def test_scaling_out_fsdp_recipe_runs_under_torchrun(tmp_path, monkeypatch):
+    # the docs' train_fsdp.py and the train.py it imports from are literal
+    # blocks, run here as the page says; a plain net in this process loads
+    # its checkpoint and predicts what every rank printed
     text = (Path(__file__).parent.parent / 'docs' / 'scaling_out.rst').read_text()
     for name, end in [('train.py', 'and run it on one machine'),
                       ('train_fsdp.py', 'and run it like the DDP script')]:
@@ -951,19 +914,8 @@ def run_scaling_out_fsdp_recipe():
         start = text.index(marker) + len(marker)
         block = text[start:text.index(end, start)]
         script = '\n'.join(line[4:] for line in block.strip('\n').splitlines())
-        (folder / name).write_text(script + '\n')
-    return launch('train_fsdp.py', folder, cwd=folder, timeout=TIME_LIMIT)
-
-
-@pytest.mark.slow  # torchrun
-@background(run_scaling_out_fsdp_recipe)
-@pytest.mark.timeout(TIME_LIMIT + 60)
-def test_scaling_out_fsdp_recipe_runs_under_torchrun(monkeypatch):
-    # the docs' train_fsdp.py and the train.py it imports from are literal
-    # blocks, run here as the page says; a plain net in this process loads
-    # its checkpoint and predicts what every rank printed
-    run = background_result(run_scaling_out_fsdp_recipe)
-    tmp_path = run.out_dir
+        (tmp_path / name).write_text(script + '\n')
+    run = launch('train_fsdp.py', tmp_path, cwd=tmp_path, timeout=TIME_LIMIT)
     assert run.returncode == 0, run.tail()
 
     monkeypatch.syspath_prepend(str(tmp_path))  # train_fsdp imports train

@@ -25,16 +25,7 @@ from skorch_gradacc import (
 )
 from skorch_gradacc.counting import count_items
 
-from conftest import (
-    DTYPE,
-    PARAM_ATOL,
-    background,
-    background_folder,
-    background_result,
-    classification_data,
-    fit_seeded,
-    regression_data,
-)
+from conftest import DTYPE, PARAM_ATOL, classification_data, fit_seeded, regression_data
 
 F = torch.nn.functional
 WEIGHT = torch.linspace(0.5, 2.0, VOCAB, dtype=DTYPE)
@@ -546,27 +537,20 @@ SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
 DDP_CASES = ['ignore_index', 'weight_smoothing']
 
 
-def run_ddp_default_counts():
-    """One torchrun launch of ddp_default_counts.py for both DDP_CASES, in
-    the background from the collection's end (conftest.py)."""
-    return launch_scenarios(SCRIPTS / 'ddp_default_counts.py',
-                            background_folder('ddp_counts'), DDP_CASES)
-
-
 @pytest.fixture(scope='module')
-def ddp_default_counts():
-    return background_result(run_ddp_default_counts)
+def ddp_default_counts(tmp_path_factory):
+    """One torchrun launch of ddp_default_counts.py for both DDP_CASES."""
+    return launch_scenarios(SCRIPTS / 'ddp_default_counts.py',
+                            tmp_path_factory.mktemp('ddp_counts'), DDP_CASES)
 
 
 @pytest.mark.slow
-@background(run_ddp_default_counts)
 @pytest.mark.timeout(300)
 def test_the_launch_of_both_cases_succeeds(ddp_default_counts):
     assert_launch_succeeded(ddp_default_counts)
 
 
 @pytest.mark.slow
-@background(run_ddp_default_counts)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize('case', DDP_CASES)
 def test_default_counts_under_ddp_with_uneven_tokens(case, ddp_default_counts):

@@ -9,25 +9,16 @@ from pathlib import Path
 import pytest
 from torchrun_launch import assert_launch_succeeded, launch_scenarios
 
-from conftest import background, background_folder, background_result
+pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'dropout_worker.py'
 ENGINES = ['ddp', 'fsdp']
 N_ROWS = 195
 
 
-def run_launch():
-    """The launch for both engines, in the background from the collection's
-    end (conftest.py), beside the tests that run in this process."""
-    return launch_scenarios(WORKER, background_folder('dropout'), ENGINES)
-
-
-pytestmark = [pytest.mark.slow, background(run_launch)]
-
-
 @pytest.fixture(scope='module')
-def launch():
-    return background_result(run_launch)
+def launch(tmp_path_factory):
+    return launch_scenarios(WORKER, tmp_path_factory.mktemp('dropout'), ENGINES)
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from skorch import NeuralNetClassifier
 
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
 sys.path.insert(0, str(SCRIPTS))
 
@@ -26,8 +28,6 @@ from eval_worker import (  # noqa: E402
     net_kwargs,
 )
 from torchrun_launch import assert_launch_succeeded, launch_scenarios  # noqa: E402
-
-from conftest import background, background_folder, background_result  # noqa: E402
 
 ENGINES = ['ddp', 'fsdp', 'fsdp-micro']
 SCORES = ['valid_loss', 'valid_acc', 'valid_accuracy', 'valid_nll',
@@ -44,20 +44,10 @@ def single_process():
     return net, net.predict(X_valid), net.predict_proba(X_valid)
 
 
-def run_launch():
-    """The launch for the three engines, in the background from the
-    collection's end (conftest.py), beside the tests that run in this
-    process."""
-    return launch_scenarios(SCRIPTS / 'eval_worker.py',
-                            background_folder('eval'), ENGINES)
-
-
-pytestmark = [pytest.mark.slow, background(run_launch)]
-
-
 @pytest.fixture(scope='module')
-def launch():
-    return background_result(run_launch)
+def launch(tmp_path_factory):
+    return launch_scenarios(SCRIPTS / 'eval_worker.py',
+                            tmp_path_factory.mktemp('eval'), ENGINES)
 
 
 @pytest.mark.timeout(300)
