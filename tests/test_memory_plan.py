@@ -934,6 +934,14 @@ def side_by_side(*calls):
         return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
+def printed_without_and_with(code, argument):
+    """What ``code`` printed in two fresh processes, side by side: without
+    ``argument``, and with it."""
+    return [run.stdout for run in side_by_side(*(
+        functools.partial(run_in_users_process, code, *args)
+        for args in ([], [argument])))]
+
+
 @pytest.mark.slow  # processes of their own
 def test_malloc_threshold_is_left_to_a_process_that_set_it():
     # what the process started with counts, not os.environ later: Dask's
@@ -963,9 +971,7 @@ def test_tensors_of_64_kib_go_back_to_the_os_when_freed():
         'meters._LIBC.malloc_trim(0); meter = meters.MemoryMeter("cpu")\n'
         'kept = [torch.ones(24 * 2 ** 10) for _ in range(128)]; del kept[::2]\n'
         'print(meter.held() / 2 ** 20)')
-    held_mib = [float(run.stdout) for run in side_by_side(*(
-        functools.partial(run_in_users_process, code, *fixed)
-        for fixed in ([], ['fixed'])))]
+    held_mib = [float(out) for out in printed_without_and_with(code, 'fixed')]
     # 128 blocks of 96 KiB, 12 MiB, half of them freed
     assert held_mib[0] >= 11 and held_mib[1] <= 7, held_mib
 
@@ -984,9 +990,7 @@ def test_tensors_freed_off_the_heap_leave_nothing_resident():
         'held.__enter__() if held else meters.fix_malloc_threshold()\n'
         'meters._LIBC.malloc_trim(0); meter = meters.MemoryMeter("cpu")\n'
         'x = torch.ones(2 ** 18); del x; print(meter.held() / 2 ** 20)')
-    held_mib = [float(run.stdout) for run in side_by_side(*(
-        functools.partial(run_in_users_process, code, *held)
-        for held in ([], ['held'])))]
+    held_mib = [float(out) for out in printed_without_and_with(code, 'held')]
     assert held_mib[0] >= 0.9 and held_mib[1] <= 0.1, held_mib
 
 
@@ -1065,9 +1069,7 @@ def test_no_heap_blocks_are_held_under_a_cap_of_address_space():
         'if sys.argv[1:]: resource.setrlimit(resource.RLIMIT_AS, (2 ** 40, '
         'resource.RLIM_INFINITY))\n'
         'print(len(meters._take_free_heap_blocks()))')
-    held = [int(run.stdout) for run in side_by_side(*(
-        functools.partial(run_in_users_process, code, *capped)
-        for capped in ([], ['capped'])))]
+    held = [int(out) for out in printed_without_and_with(code, 'capped')]
     assert held[0] > 0 and held[1] == 0, held
 
 
