@@ -7,7 +7,7 @@ from, and lists the tests that are out of scope, with the reason for each.
 The modes (``GRADACC_SUITE_MODE``):
 
 * ``plain``: the defaults, ``acc_steps=1``: plain skorch's training;
-* ``stream``: ``micro_batch_size`` defaults to 16, so every training batch
+* ``stream``: ``micro_batch_size`` defaults to 32, so every training batch
   larger than that runs through the group loop in several pieces, and so
   do validation and prediction batches;
 * ``acc2``: ``acc_steps=2`` over micro-batches of half the batch size each
