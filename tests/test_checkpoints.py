@@ -6,10 +6,10 @@ and ``LoadInitState``. The oracle is plain skorch in one process at the
 large batch, ``8 * acc_steps * world_size = 48`` rows, trained without
 interruption.
 
-Each test's launches depend on each other (they resume from the files of
-the one before), but not on another test's: they run in turn, as a task in
-the background from the collection's end (conftest.py), and the test reads
-what they left.
+The launches of a task (``LAUNCHES``) run in turn, as a task in the
+background from the collection's end (conftest.py), and the tests read what
+they left: those of 'anywhere' resume from the files of the one before, and
+one launch restarts in turn each fit that crashes (``RESTARTED``).
 """
 
 import functools
@@ -41,22 +41,21 @@ N_TRAIN, N_VALID, LARGE_BATCH = 195, 61, 48
 TIME_LIMIT = 240
 
 
-# the launch that restarts reliably (docs/scaling_out.rst): a fresh store
-# for each attempt
-RESTARTS = ('--standalone', '--max-restarts', '1')
-FRESH_STORE = {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
-
-
-def run_ranks(out_dir, engine, nproc, acc_steps, epochs, mode='train',
-              options=('--standalone',), env=None):
-    """A launch for one fit (they resume, restart, change the world size):
-    each rank's results, or the launch if it failed."""
-    run = launch(WORKER, out_dir, out_dir, engine, acc_steps, epochs, mode,
-                 nproc=nproc, options=options, env=env, timeout=TIME_LIMIT)
+def run_ranks(out_dir, fits, nproc, acc_steps, epochs, options=('--standalone',),
+              env=None):
+    """A launch of the worker's ``fits`` (they resume, restart, change the
+    world size): each fit's folder and ranks' results, or the launch if it
+    failed."""
+    count = len(fits.split(','))
+    run = launch(WORKER, out_dir, out_dir, fits, acc_steps, epochs,
+                 nproc=nproc, options=options, env=env,
+                 timeout=TIME_LIMIT * min(count, 2))
     if run.returncode != 0 or run.timed_out:
         return run
-    return [torch.load(out_dir / 'rank{}.pt'.format(rank), weights_only=False)
-            for rank in range(nproc)]
+    folders = [out_dir / str(i) for i in range(count)] if count > 1 else [out_dir]
+    return [(folder, [torch.load(folder / 'rank{}.pt'.format(rank),
+                                 weights_only=False) for rank in range(nproc)])
+            for folder in folders]
 
 
 def ranks_of(result):
@@ -67,9 +66,10 @@ def ranks_of(result):
 
 
 def run_in_turn(name):
-    """The fits of ``LAUNCHES[name]`` (``run_ranks``' arguments) in turn, on
-    the same files; after each, its ranks' results and a copy of the
-    checkpoint (the next one changes it). It stops at a launch that failed."""
+    """The launches of ``LAUNCHES[name]`` (``run_ranks``' arguments) in
+    turn, on the same files; after each, each fit's ranks' results and a
+    copy of its checkpoint (the next launch changes it). It stops at a
+    launch that failed."""
     out_dir = background_folder('checkpoints') / name
     out_dir.mkdir()
     done = []
@@ -77,9 +77,10 @@ def run_in_turn(name):
         result = run_ranks(out_dir, *args, **kwargs)
         if not isinstance(result, list):
             return done + [(result, None)]
-        copy = out_dir.parent / '{}-cp{}'.format(name, i)
-        shutil.copytree(out_dir / 'cp', copy)
-        done.append((result, copy))
+        for j, (folder, ranks) in enumerate(result):
+            copy = out_dir.parent / '{}-cp{}-{}'.format(name, i, j)
+            shutil.copytree(folder / 'cp', copy)
+            done.append((ranks, copy))
     return done
 
 
@@ -87,20 +88,22 @@ def fit(*args, **kwargs):
     return args, kwargs
 
 
-# the launches of each test, in turn
-RESTART = dict(mode='crash', options=RESTARTS, env=FRESH_STORE)
+# the restarts, in one launch (torchrun's start-up takes seconds): fit i's
+# rank 1 dies in epoch 4 of torchrun's attempt i, and attempt i + 1 resumes
+# it, then starts the next; the last, uninterrupted, is the oracle of the
+# shuffled one
+RESTARTED = ['ddp:crash', 'fsdp:crash', 'fsdp:crash_sgd', 'ddp:crash_shuffle',
+             'ddp:train_shuffle']
 LAUNCHES = {
     # DDP, 2 ranks, for 2 epochs; FSDP at 3 ranks resumes for a third; and
     # back, DDP at 2 ranks for a fourth
-    'anywhere': [fit('ddp', 2, 3, 2, mode='rank0'),
-                 fit('fsdp', 3, 2, 3, mode='rank0'), fit('ddp', 2, 3, 4)],
-    'restart-ddp': [fit('ddp', 2, 3, 5, **RESTART)],
-    'restart-fsdp': [fit('fsdp', 2, 3, 5, **RESTART)],
-    'restart-fsdp-sgd': [fit('fsdp', 2, 3, 5, mode='crash_sgd',
-                             options=RESTARTS, env=FRESH_STORE)],
-    'shuffle-restart': [fit('ddp', 2, 3, 5, mode='crash_shuffle',
-                            options=RESTARTS, env=FRESH_STORE)],
-    'shuffle-once': [fit('ddp', 2, 3, 5, mode='train_shuffle')],
+    'anywhere': [fit('ddp:rank0', 2, 3, 2), fit('fsdp:rank0', 3, 2, 3),
+                 fit('ddp', 2, 3, 4)],
+    # the launch that restarts reliably (docs/scaling_out.rst): a fresh
+    # store for each attempt
+    'restarts': [fit(','.join(RESTARTED), 2, 3, 5, options=(
+        '--standalone', '--max-restarts', str(len(RESTARTED) - 1)),
+        env={'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'})],
 }
 TASKS = {name: functools.partial(run_in_turn, name) for name in LAUNCHES}
 
@@ -111,13 +114,20 @@ def launched(*names):
 
 
 def results(name):
-    """The results of the launches of ``name``: each one's ranks and a copy
-    of its checkpoint; the test fails at a launch that failed."""
+    """The results of the fits of ``name``'s launches: each one's ranks and
+    a copy of its checkpoint; the test fails at a launch that failed."""
     done = background_result(TASKS[name])
     for result, _ in done:
         ranks_of(result)
-    assert len(done) == len(LAUNCHES[name])
+    assert len(done) == sum(len(args[0].split(',')) for args, _ in LAUNCHES[name])
     return done
+
+
+def restarted(fit):
+    """The ranks' results and checkpoint of ``fit``, one of RESTARTED, and
+    the attempt that resumed it after its crash."""
+    ranks, cp = results('restarts')[RESTARTED.index(fit)]
+    return ranks, cp, RESTARTED.index(fit) + 1
 
 
 def plain_net(momentum=0.9, **kwargs):
@@ -207,41 +217,40 @@ def test_checkpoints_load_anywhere_and_back(oracle):
             assert torch.equal(rank['loaded'][key], value)
 
 
-@pytest.mark.parametrize('engine', [
-    pytest.param('ddp', marks=launched('restart-ddp')),
-    pytest.param('fsdp', marks=launched('restart-fsdp'))])
+@launched('restarts')
+@pytest.mark.parametrize('engine', ['ddp', 'fsdp'])
 def test_a_restart_resumes_as_if_uninterrupted(oracle, engine):
     # rank 1 dies in epoch 4; torchrun restarts both ranks, LoadInitState
     # resumes from epoch 3's checkpoint, and fit trains the 2 epochs left
-    [(ranks, cp)] = results('restart-' + engine)
-    assert [rank['restart'] for rank in ranks] == [1, 1]
+    ranks, cp, attempt = restarted(engine + ':crash')
+    assert [rank['restart'] for rank in ranks] == [attempt, attempt]
     assert all(len(rank['history']) == 5 for rank in ranks)
     assert_matches_oracle(load_plain(cp), oracle, 5)
     assert [rank['lr'] for rank in ranks] == [0.05, 0.05]
 
 
-@launched('restart-fsdp-sgd')
+@launched('restarts')
 def test_a_restart_with_a_stateless_optimizer_resumes():
     # skorch's default SGD, without momentum, holds no state tensors: FSDP
     # loads its param_groups alone, on the restart and in load_params
     # (before: "Expected device to be set")
-    [(ranks, cp)] = results('restart-fsdp-sgd')
-    assert [rank['restart'] for rank in ranks] == [1, 1]
+    ranks, cp, attempt = restarted('fsdp:crash_sgd')
+    assert [rank['restart'] for rank in ranks] == [attempt, attempt]
     assert all(len(rank['history']) == 5 for rank in ranks)
     assert not torch.load(cp / 'optimizer.pt')['state']
     assert_matches_oracle(load_plain(cp), train_oracle(momentum=0), 5)
     assert [rank['lr'] for rank in ranks] == [0.05, 0.05]
 
 
-@launched('shuffle-restart', 'shuffle-once')
+@launched('restarts')
 def test_a_restart_with_shuffling_and_dropout_is_exact():
     # every rank's random state is in the checkpoint (its own file) and
     # LoadInitState restores it: the restarted run shuffles and drops out
     # as the uninterrupted one does (without: 2.2e-1 off)
-    [(ranks, _)] = results('shuffle-restart')
-    assert [rank['restart'] for rank in ranks] == [1, 1]
+    ranks, _, attempt = restarted('ddp:crash_shuffle')
+    assert [rank['restart'] for rank in ranks] == [attempt, attempt]
     assert [len(rank['history']) for rank in ranks] == [5, 5]
-    [(uninterrupted, _)] = results('shuffle-once')
+    uninterrupted, _, _ = restarted('ddp:train_shuffle')
     for rank, expected in zip(ranks, uninterrupted):
         for key, value in expected['params'].items():
             torch.testing.assert_close(rank['params'][key], value, rtol=0,

@@ -1,19 +1,26 @@
-"""One rank of a data-parallel fit with skorch's checkpoints; started by
+"""One rank of data-parallel fits with skorch's checkpoints; started by
 tests/test_checkpoints.py under ``torchrun``.
 
-Usage: checkpoint_worker.py OUT_DIR ENGINE ACC_STEPS EPOCHS [MODE], one fit
-per launch (the tests resume, restart and change the world size), where
-ENGINE is ``ddp`` or ``fsdp``. A regressor trains on 195 rows with 61
-validation rows, ``batch_size=8``, with ``Checkpoint(monitor=None)`` and
-``LoadInitState`` in OUT_DIR/cp: a run resumes from the files there, and
-trains until the history holds EPOCHS epochs (``fit(epochs=...)``, as
-docs/scaling_out.rst says). MODE is
+Usage: checkpoint_worker.py OUT_DIR FITS ACC_STEPS EPOCHS, where FITS is a
+comma-separated list of fits ``ENGINE[:MODE]`` that run in turn, ENGINE
+``ddp`` or ``fsdp``. A launch of one fit writes to OUT_DIR (the tests
+resume, restart and change the world size across launches); of several,
+fit i writes to OUT_DIR/i, and its crash (below) comes in torchrun's
+attempt i: attempt i + 1 resumes it, after the fits done (their rank files
+are there), and then starts the next. So one launch, whose start-up takes
+seconds, serves several restarts.
+
+A regressor trains on 195 rows with 61 validation rows, ``batch_size=8``,
+with ``Checkpoint(monitor=None)`` and ``LoadInitState`` in the fit's
+folder's cp: a run resumes from the files there, and trains until the
+history holds EPOCHS epochs (``fit(epochs=...)``, as docs/scaling_out.rst
+says). MODE is
 
 * ``train`` (default);
 * ``rank0``: then ``if rank == 0: net.save_params(...)``, with a short
   ``rank_wait_timeout``; its error, if any, is saved;
 * ``crash``: rank 1 exits with ``os._exit(1)`` in the second step of epoch
-  4, in the first attempt only (``TORCHELASTIC_RESTART_COUNT``);
+  4, in the fit's attempt only (``TORCHELASTIC_RESTART_COUNT``);
 * ``crash_shuffle``: the same with ``iterator_train__shuffle=True`` and
   dropout (p=0.3);
 * ``crash_sgd``: the same as ``crash`` without momentum: the optimizer
@@ -28,7 +35,7 @@ parameters, so a ``load_params`` that did not wait for the ranks would
 read before the file is there.
 
 Each rank saves its files written (``torch.save`` calls), history,
-restart count and the new net's lr to OUT_DIR/rank{r}.pt.
+restart count and the new net's lr to the fit's folder's rank{r}.pt.
 """
 
 import os
@@ -93,7 +100,10 @@ class DropoutRegressor(MLPRegressor):
 
 
 class CrashInEpoch4(Callback):
-    """Rank 1 dies in the second step of epoch 4, in the first attempt."""
+    """Rank 1 dies in the second step of epoch 4, in torchrun's ``attempt``."""
+
+    def __init__(self, attempt):
+        self.attempt = attempt
 
     def on_epoch_begin(self, net, **kwargs):
         self.steps_ = 0
@@ -102,7 +112,8 @@ class CrashInEpoch4(Callback):
         self.steps_ += training
         if (training and len(net.history) == 4 and self.steps_ == 2
                 and dist.get_rank() == 1
-                and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '0'):
+                and os.environ.get('TORCHELASTIC_RESTART_COUNT')
+                == str(self.attempt)):
             sys.stdout.flush()
             os._exit(1)
 
@@ -112,15 +123,30 @@ def data():
     return X[:N_TRAIN], y[:N_TRAIN], Dataset(X[N_TRAIN:], y[N_TRAIN:])
 
 
-def main(out_dir, engine, acc_steps, epochs, mode='train'):
-    out_dir = Path(out_dir)
+def main(out_dir, fits, acc_steps, epochs):
     dist.init_process_group('gloo')
+    fits = fits.split(',')
+    chained = len(fits) > 1
+    for attempt, fit in enumerate(fits):
+        folder = Path(out_dir) / str(attempt) if chained else Path(out_dir)
+        if chained and (folder / 'rank{}.pt'.format(dist.get_rank())).exists():
+            continue  # done in an earlier attempt
+        folder.mkdir(exist_ok=True)
+        engine, _, mode = fit.partition(':')
+        train(folder, engine, int(acc_steps), int(epochs), mode or 'train',
+              attempt)
+    finish()
+
+
+def train(out_dir, engine, acc_steps, epochs, mode, attempt):
+    """One fit, and its rank's results in ``out_dir``."""
+    SAVES.clear()
     rank = dist.get_rank()
     X, y, valid = data()
     cp = Checkpoint(dirname=str(out_dir / 'cp'), monitor=None)
     callbacks = [cp, LoadInitState(cp)]
     if mode.startswith('crash'):
-        callbacks.append(CrashInEpoch4())
+        callbacks.append(CrashInEpoch4(attempt))
     net_cls = DDPRegressor if engine == 'ddp' else fsdp_regressor()
     shuffle = mode.endswith('_shuffle')
     momentum = 0 if mode == 'crash_sgd' else 0.9
@@ -128,7 +154,7 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
 
     def make_net(**kwargs):
         return net_cls(DropoutRegressor if shuffle else MLPRegressor,
-                       batch_size=BATCH_SIZE, acc_steps=int(acc_steps),
+                       batch_size=BATCH_SIZE, acc_steps=acc_steps,
                        lr=0.05, optimizer__momentum=momentum,
                        train_split=predefined_split(valid),
                        iterator_train__shuffle=shuffle, verbose=0, **kwargs)
@@ -137,7 +163,7 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
     # max_epochs counts the epochs of one fit: resume with those left
     done = (len(History.from_file(cp.f_history_))
             if os.path.exists(cp.f_history_) else 0)
-    net.fit(X, y, epochs=int(epochs) - done)
+    net.fit(X, y, epochs=epochs - done)
     error = None
     if mode == 'rank0' and rank == 0:
         # short: the other ranks never come. The default elsewhere, where
@@ -169,7 +195,6 @@ def main(out_dir, engine, acc_steps, epochs, mode='train'):
         'history': net.history.to_list(),
         'lr': loaded.optimizer_.param_groups[0]['lr'] if loaded else None,
     }, out_dir, save=_torch_save)
-    finish()
 
 
 if __name__ == '__main__':
