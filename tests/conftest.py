@@ -37,6 +37,12 @@ torch.set_num_threads(1)
 DTYPE = torch.float64
 PARAM_ATOL = 1e-10
 
+# skorch's compile=True, with torch.compile's backend 'aot_eager': dynamo's
+# graphs and AOT autograd, as inductor gets them, without inductor's C++
+# builds, which took 74 CPU-seconds of the distributed tests where its cache
+# (/tmp/torchinductor_<user>) was empty, as on a fresh CI machine
+COMPILED = {'compile': True, 'compile__backend': 'aot_eager'}
+
 
 class MLPClassifier(torch.nn.Module):
     """A small MLP with softmax output (no BatchNorm, no dropout); float64

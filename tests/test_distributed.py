@@ -61,6 +61,7 @@ from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
 
 from conftest import (
+    COMPILED,
     PARAM_ATOL,
     FirstIsBest,
     MLPClassifier,
@@ -425,7 +426,7 @@ def test_compiled_ddp_trains_saves_and_pickles_as_plain_skorch_compiled(ddp):
     # has two micro-batches, the other one); names, the file and the pickle
     # as a compiled plain net's
     ranks = ddp.ranks('compile')
-    net = classifier(211, compile=True)
+    net = classifier(211, **COMPILED)
     plain_state = net.module_.state_dict()  # the keys _orig_mod.<name>
     saved = torch.load(ddp.folder('compile') / 'params.pt')
     assert saved.keys() == plain_state.keys()

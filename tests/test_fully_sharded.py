@@ -36,6 +36,7 @@ from skorch_gradacc.engine import DDPEngine, Engine
 from skorch_gradacc.fully_sharded import FullyShardedEngine, modules_to_shard
 
 from conftest import (
+    COMPILED,
     DTYPE,
     PARAM_ATOL,
     RecordsStepBatches,
@@ -375,7 +376,7 @@ def test_compiled_fsdp2_trains_and_saves_as_plain_skorch_compiled(fsdp):
     # advises: the net still trains with FSDP2's engine, and its full
     # checkpoint has a compiled plain net's keys (_orig_mod.<name>)
     ranks = fsdp.ranks('compile')
-    net = plain_classifier(compile=True)
+    net = plain_classifier(**COMPILED)
     assert_params_equal(torch.load(fsdp.folder('compile') / 'params.pt'), net)
     assert_losses_equal(ranks, net)
 

@@ -106,6 +106,7 @@ from skorch_gradacc import (
 from skorch_gradacc.distributed import DistributedGradAccMixin
 
 from conftest import (
+    COMPILED,
     FirstIsBest,
     MLPClassifier,
     NormalizedMLP,
@@ -318,7 +319,7 @@ def make_net_and_data(scenario, rank, device):
         module = StateOutputMLP
         common['callbacks'] = [('records', RecordsTraining(outputs_of_step))]
     if scenario == 'compile':
-        common['compile'] = True
+        common.update(COMPILED)
     if scenario == 'pickle':  # the net's file alone
         common['callbacks'] = [Checkpoint(
             monitor=None, f_params=None, f_optimizer=None, f_criterion=None,

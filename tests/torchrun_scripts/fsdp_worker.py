@@ -78,6 +78,7 @@ from skorch_gradacc import GradAccNeuralNet, GradAccNeuralNetClassifier
 from skorch_gradacc.fully_sharded import FullyShardedGradAccMixin
 
 from conftest import (
+    COMPILED,
     DTYPE,
     RecordsStepBatches,
     RefusesZeroRows,
@@ -316,7 +317,7 @@ def make_net(scenario, max_epochs=2, X=None):
     if scenario == 'criterion':
         common.update(criterion=ShiftedTemperedNLL, optimizer__weight_decay=0.01)
     if scenario == 'compile':
-        common['compile'] = True
+        common.update(COMPILED)
     if scenario == 'state':  # an RNN's state beside the outputs, read by a callback
         module = StateOutputMLP
         common['callbacks'] = [('records', RecordsTraining(outputs_of_step))]
