@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from torchrun_launch import SCENARIO_LIMIT, launch, launch_scenarios
 
-from conftest import background, background_folder, background_result
-
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'hang_worker.py'
 LIMIT = 10  # seconds, for the scenario that hangs
 # what a launch takes on a loaded machine besides its scenarios (torchrun
@@ -55,25 +53,18 @@ def test_the_scenario_limit_fails_a_hang_within_two_minutes():
     assert SCENARIO_LIMIT + START_AND_STOP <= 150
 
 
-def run_hanging_scenario():
-    """A launch whose second scenario hangs, in the background from the
-    collection's end (conftest.py), where its wait overlaps the tests: its
-    folder, the launch and the seconds it took."""
-    folder, start = background_folder('hang'), time.monotonic()
-    run = launch_scenarios(WORKER, folder, ['quick', 'hang', 'after'],
-                           scenario_limit=LIMIT)
-    return folder, run, time.monotonic() - start
-
-
 @pytest.mark.slow  # torchrun
+@pytest.mark.timeout(LIMIT + 2 * START_AND_STOP)
 @pytest.mark.skipif(not os.path.isdir('/proc'), reason='needs /proc')
-@background(run_hanging_scenario)
-def test_a_hanging_scenario_fails_fast_by_name():
-    folder, run, took = background_result(run_hanging_scenario)
+def test_a_hanging_scenario_fails_fast_by_name(tmp_path):
+    start = time.monotonic()
+    run = launch_scenarios(WORKER, tmp_path, ['quick', 'hang', 'after'],
+                           scenario_limit=LIMIT)
+    took = time.monotonic() - start
     assert not run.timed_out, run.tail()
     assert run.returncode != 0
     assert took < LIMIT + START_AND_STOP, run.tail()
-    pids = launched_pids(folder)
+    pids = launched_pids(tmp_path)
     assert len(pids) == 4  # both ranks got to the hang
     assert_all_gone(pids)
     run.ranks('quick')  # the scenario before it is intact
@@ -83,38 +74,28 @@ def test_a_hanging_scenario_fails_fast_by_name():
     assert "scenario 'hang' ran past its limit of 10 s on rank" in message
     assert 'in hang' in message  # where it waits: the stack
     assert "scenario 'hang' ran past" in run.tail()  # the launch's own test
-    assert not (folder / 'after').exists()
-
-
-def run_past_timeouts():
-    """Launches whose ranks hang as they start, in the background as
-    :func:`run_hanging_scenario`: a short timeout, and a longer one only if
-    it ran out before both ranks got to the hang (torchrun alone imports
-    torch). For each, the launch, the seconds it took, and the ids of its
-    processes, each gone when checked right after it."""
-    launches = []
-    for timeout in TIMEOUTS:
-        out_dir, start = background_folder('timeout'), time.monotonic()
-        run = launch(WORKER, out_dir, out_dir, 'setup', scenario_limit=None,
-                     timeout=timeout)
-        took, pids = time.monotonic() - start, launched_pids(out_dir)
-        assert_all_gone(pids)
-        launches.append((run, took, timeout, pids))
-        if len(pids) == 4:  # both ranks got to the hang
-            break
-    return launches
+    assert not (tmp_path / 'after').exists()
 
 
 @pytest.mark.slow  # torchrun
+@pytest.mark.timeout(sum(TIMEOUTS) + 2 * START_AND_STOP)
 @pytest.mark.skipif(not os.path.isdir('/proc'), reason='needs /proc')
-@background(run_past_timeouts)
-def test_a_launch_past_its_timeout_leaves_no_process():
+def test_a_launch_past_its_timeout_leaves_no_process(tmp_path):
     # the ranks hang outside any scenario, with no limit of their own, as
-    # soon as they start: each launch is killed with every process it
-    # started by then
-    launches = background_result(run_past_timeouts)
-    for run, took, timeout, _ in launches:
+    # soon as they start. A short timeout, and a longer one only if it ran
+    # out before both ranks got to the hang (torchrun alone imports torch):
+    # each launch is killed with every process it started by then
+    for timeout in TIMEOUTS:
+        out_dir = tmp_path / str(timeout)
+        out_dir.mkdir()
+        start = time.monotonic()
+        run = launch(WORKER, out_dir, out_dir, 'setup', scenario_limit=None,
+                     timeout=timeout)
         assert run.timed_out
-        assert took < timeout + START_AND_STOP
-    assert len(launches[-1][-1]) == 4, 'the ranks never started within {} s'.format(
+        assert time.monotonic() - start < timeout + START_AND_STOP
+        pids = launched_pids(out_dir)
+        assert_all_gone(pids)
+        if len(pids) == 4:  # both ranks got to the hang
+            break
+    assert len(pids) == 4, 'the ranks never started within {} s'.format(
         TIMEOUTS[-1])
