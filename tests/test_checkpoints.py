@@ -46,7 +46,8 @@ def run_ranks(out_dir, fits, nproc, acc_steps, epochs, options=('--standalone',)
     """A launch of the worker's ``fits`` (they resume, restart, change the
     world size): each fit's folder and ranks' results, or the launch if it
     failed."""
-    count = len(fits.split(','))
+    count = fit_count(fits)
+    # the restarts' launch starts its ranks five times: twice the time
     run = launch(WORKER, out_dir, out_dir, fits, acc_steps, epochs,
                  nproc=nproc, options=options, env=env,
                  timeout=TIME_LIMIT * min(count, 2))
@@ -56,6 +57,11 @@ def run_ranks(out_dir, fits, nproc, acc_steps, epochs, options=('--standalone',)
     return [(folder, [torch.load(folder / 'rank{}.pt'.format(rank),
                                  weights_only=False) for rank in range(nproc)])
             for folder in folders]
+
+
+def fit_count(fits):
+    """The number of fits in the worker's comma-separated ``fits``."""
+    return len(fits.split(','))
 
 
 def ranks_of(result):
@@ -119,7 +125,7 @@ def results(name):
     done = background_result(TASKS[name])
     for result, _ in done:
         ranks_of(result)
-    assert len(done) == sum(len(args[0].split(',')) for args, _ in LAUNCHES[name])
+    assert len(done) == sum(fit_count(args[0]) for args, _ in LAUNCHES[name])
     return done
 
 
