@@ -48,13 +48,14 @@ SUITE = {
 # at least this many tests pass in each mode (what passed when written,
 # rounded down), so that a collection that silently shrinks fails
 MIN_PASSED = {'plain': 50, 'stream': 800, 'acc2': 500}
-# the plain mode's test_net: a -k expression
+# the plain mode's test_net: a -k expression (the other files of its job
+# run whole: a file's name selects its tests)
 LEFT_OUT = {('plain', 'test_net.py'): ' or '.join(sorted(OUT_OF_SCOPE_IN_PIECES))}
 # Each mode's files run in processes of their own, the longest first
-# (test_net.py takes most of its mode's time), each file in skorch's order
-# in a process that ran no other file before it, so that a module-scoped
-# fixture such as TestNeuralNet's net_fit is trained from the same random
-# state in every run. They start when the suite's collection ends, one at a
+# (test_net.py takes most of its mode's time), each job's files in their
+# order in a fresh process, so that a module-scoped fixture such as
+# TestNeuralNet's net_fit is trained from the same random state in every
+# run. They start when the suite's collection ends, one at a
 # time while the rest of the suite runs (it uses one core mostly, its
 # background tasks the other), and two at a time once those tasks are done
 # or the tests here wait for them (they run last; conftest.py).
@@ -64,8 +65,7 @@ JOBS = [('stream', ['test_net.py']),
                     'test_helper.py', 'test_history.py']),
         ('acc2', ['test_classifier.py', 'test_regressor.py',
                   'test_helper.py']),
-        ('plain', ['test_classifier.py', 'test_regressor.py']),
-        ('plain', ['test_net.py'])]
+        ('plain', ['test_classifier.py', 'test_regressor.py', 'test_net.py'])]
 TIME_LIMIT = 1500
 NICENESS = 5
 
@@ -96,8 +96,7 @@ class Jobs:
             [sys.executable, '-m', 'pytest', '-c',
              str(PLUGIN_DIR / 'pytest.ini'), '-p', 'gradacc_swap',
              *[str(SKORCH_TESTS / path) for path in paths],
-             *[arg for path in paths if (mode, path) in LEFT_OUT
-               for arg in ('-k', LEFT_OUT[mode, path])],
+             *self.selection(mode, paths),
              '-p', 'no:cacheprovider', '-p', 'no:xdist', '-W',
              'ignore::pytest.PytestRemovedIn10Warning'],
             # a folder each: skorch's tests write checkpoints to the
@@ -106,6 +105,14 @@ class Jobs:
             stderr=subprocess.STDOUT,
             text=True, preexec_fn=_lower_priority)
         self.running.append((mode, paths, proc, out, time.monotonic()))
+
+    @staticmethod
+    def selection(mode, paths):
+        """The ``-k`` option of a job whose files LEFT_OUT names, if any."""
+        if not any((mode, path) in LEFT_OUT for path in paths):
+            return []
+        return ['-k', ' or '.join(LEFT_OUT.get((mode, path), path)
+                                  for path in paths)]
 
     def poll(self):
         """Collect the jobs that ended and start waiting ones; whether any

@@ -41,6 +41,7 @@ import skorch
 import skorch.classifier
 import skorch.net
 import skorch.regressor
+import torch
 
 import skorch_gradacc
 
@@ -271,8 +272,29 @@ def _refuse_plain_nets():
     skorch.net.NeuralNet.partial_fit = checked_partial_fit
 
 
+def _compile_without_inductor():
+    """Make ``torch.compile``'s backend default to ``'aot_eager'``.
+
+    skorch's tests that compile for real (``compile=True``, no backend
+    given) then run dynamo's graphs and AOT autograd as inductor gets them,
+    without inductor's C++ builds: 46 of the stream mode's CPU-seconds where
+    inductor's cache is empty, as on a fresh CI machine. The tests here
+    check the nets' wrappers and training, not torch's code generation
+    (tests/conftest.py's ``COMPILED`` does the same). The tests that mock
+    ``torch.compile`` replace it, this default with it.
+    """
+    compile_ = torch.compile
+
+    @functools.wraps(compile_)
+    def compile_with_aot_eager(*args, backend='aot_eager', **kwargs):
+        return compile_(*args, backend=backend, **kwargs)
+
+    torch.compile = compile_with_aot_eager
+
+
 def pytest_configure(config):
     _refuse_plain_nets()
+    _compile_without_inductor()
     for name, cls in SWAPPED.items():
         setattr(skorch, name, cls)
     # skorch.net refers to NeuralNet only in docstrings: swapped in place
