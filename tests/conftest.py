@@ -536,6 +536,31 @@ def trained_once():
     yield
 
 
+# The torchrun launches that the tests of several modules read: each start
+# of torchrun and its two ranks takes about 13 CPU-seconds, far more than
+# most scenarios. The host module lists every scenario of its launch, the
+# other modules' as ``WORKER:NAME`` (torchrun_scripts/worker_common.py).
+
+
+@pytest.fixture(scope='session')
+def ddp_launch(tmp_path_factory):
+    """One launch of ddp_worker.py for test_distributed.py's SCENARIOS."""
+    return _shared_launch('test_distributed', tmp_path_factory)
+
+
+@pytest.fixture(scope='session')
+def fsdp_launch(tmp_path_factory):
+    """One launch of fsdp_worker.py for test_fully_sharded.py's SCENARIOS."""
+    return _shared_launch('test_fully_sharded', tmp_path_factory)
+
+
+def _shared_launch(host, tmp_path_factory):
+    from torchrun_launch import launch_scenarios
+    module = __import__(host)
+    return launch_scenarios(module.WORKER, tmp_path_factory.mktemp(host),
+                            module.SCENARIOS, timeout=module.LAUNCH_LIMIT)
+
+
 # FSDP2 needs torch 2.8 (skorch_gradacc.fully_sharded refuses older ones at
 # import): below it, the modules that import it are not collected, so that
 # the quick suite runs at the floors (requirements/floor.txt). Asked only by

@@ -82,11 +82,14 @@ WORLD_SIZE, BATCH_SIZE, ACC_STEPS = 2, 8, 3
 STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
               lr=0.01)
 TIME_LIMIT = 240
-# the scenarios of the one launch for this module's tests, at 2 gloo ranks;
+# the scenarios of the one launch for this module's tests and
+# test_loss_items.py's (conftest.py's ddp_launch), at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)
 SCENARIOS = ['samples', 'auto', 'apart', 'plan', 'plan_fails', 'shuffle',
              'drop_last', 'tokens', 'bucket', 'iterable', 'groups', 'freeze',
-             'criterion', 'load_best', 'pickle', 'batchnorm', 'compile', 'state']
+             'criterion', 'load_best', 'pickle', 'batchnorm', 'compile', 'state',
+             'ddp_default_counts:ignore_index',
+             'ddp_default_counts:weight_smoothing']
 if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
@@ -99,10 +102,9 @@ class PicklableDDPClassifier(DistributedGradAccMixin, GradAccNeuralNetClassifier
 
 
 @pytest.fixture(scope='module')
-def ddp(tmp_path_factory):
-    """One torchrun launch of the worker for all of SCENARIOS."""
-    return launch_scenarios(WORKER, tmp_path_factory.mktemp('ddp'), SCENARIOS,
-                            timeout=LAUNCH_LIMIT)
+def ddp(ddp_launch):
+    """The one torchrun launch of the worker for all of SCENARIOS."""
+    return ddp_launch
 
 
 def single_process(net_cls, X, y=None, **kwargs):

@@ -72,20 +72,23 @@ from fsdp_worker import (  # noqa: E402
 WORKER = DISTRIBUTED / 'fsdp_worker.py'
 WORLD_SIZE = 2
 TIME_LIMIT = 240
-# the scenarios of the one launch for this module's tests, at 2 gloo ranks
+# the scenarios of the one launch for this module's tests, and
+# test_rank_streams.py's and test_sharded_evaluation.py's (conftest.py's
+# fsdp_launch), at 2 gloo ranks
 SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'resume', 'criterion', 'micro', 'auto', 'apart', 'plan', 'plan_fails',
              'lbfgs', 'iterable',
              'skip', 'masked',
-             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile', 'state']
+             'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile', 'state',
+             'dropout_worker:ddp', 'dropout_worker:fsdp', 'eval_worker:ddp',
+             'eval_worker:fsdp', 'eval_worker:fsdp-micro']
 LAUNCH_LIMIT = 480
 
 
 @pytest.fixture(scope='module')
-def fsdp(tmp_path_factory):
-    """One torchrun launch of the worker for all of SCENARIOS."""
-    return launch_scenarios(WORKER, tmp_path_factory.mktemp('fsdp'), SCENARIOS,
-                            timeout=LAUNCH_LIMIT)
+def fsdp(fsdp_launch):
+    """The one torchrun launch of the worker for all of SCENARIOS."""
+    return fsdp_launch
 
 
 @pytest.fixture(scope='module')

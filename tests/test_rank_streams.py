@@ -1,35 +1,29 @@
 """Dropout across ranks: each rank draws its own masks, one shuffled order.
 
-torchrun starts tests/torchrun_scripts/dropout_worker.py on 2 gloo ranks, once
-for both engines.
+tests/torchrun_scripts/dropout_worker.py's scenarios, one for each engine, run
+on 2 gloo ranks in test_fully_sharded.py's launch (conftest.py's
+``fsdp_launch``).
 """
 
-from pathlib import Path
-
 import pytest
-from torchrun_launch import assert_launch_succeeded, launch_scenarios
+from torchrun_launch import assert_launch_succeeded
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).parent / 'torchrun_scripts' / 'dropout_worker.py'
 ENGINES = ['ddp', 'fsdp']
 N_ROWS = 195
+LAUNCH_LIMIT = 540  # test_fully_sharded.py's, and a minute to start
 
 
-@pytest.fixture(scope='module')
-def launch(tmp_path_factory):
-    return launch_scenarios(WORKER, tmp_path_factory.mktemp('dropout'), ENGINES)
+@pytest.mark.timeout(LAUNCH_LIMIT)
+def test_the_launch_of_both_engines_succeeds(fsdp_launch):
+    assert_launch_succeeded(fsdp_launch)
 
 
-@pytest.mark.timeout(300)
-def test_the_launch_of_both_engines_succeeds(launch):
-    assert_launch_succeeded(launch)
-
-
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_LIMIT)
 @pytest.mark.parametrize('engine', ENGINES)
-def test_ranks_draw_their_own_dropout_masks_on_one_order(launch, engine):
-    ranks = launch.ranks(engine)
+def test_ranks_draw_their_own_dropout_masks_on_one_order(fsdp_launch, engine):
+    ranks = fsdp_launch.ranks('dropout_worker:' + engine)
     # 25 micro-batches per epoch: 13 on rank 0, 12 on rank 1
     assert [len(passes) for passes in ranks] == [2 * 13, 2 * 12]
     epochs = [(ranks[0][:13], ranks[1][:12]), (ranks[0][13:], ranks[1][12:])]

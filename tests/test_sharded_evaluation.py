@@ -1,10 +1,10 @@
 """Validation, inference and training scores shared among ranks, against
 one process.
 
-torchrun starts tests/torchrun_scripts/eval_worker.py on 2 gloo ranks, once
-for the three engines (the fixture ``launch``); the
-oracle is plain skorch in one process at the large batch (48 rows), with
-the same validation batches.
+tests/torchrun_scripts/eval_worker.py's scenarios, one for each of the three
+engines, run on 2 gloo ranks in test_fully_sharded.py's launch (conftest.py's
+``fsdp_launch``); the oracle is plain skorch in one process at the large
+batch (48 rows), with the same validation batches.
 """
 
 import sys
@@ -27,9 +27,8 @@ from eval_worker import (  # noqa: E402
     data,
     net_kwargs,
 )
-from torchrun_launch import assert_launch_succeeded, launch_scenarios  # noqa: E402
+from torchrun_launch import assert_launch_succeeded  # noqa: E402
 
-ENGINES = ['ddp', 'fsdp', 'fsdp-micro']
 SCORES = ['valid_loss', 'valid_acc', 'valid_accuracy', 'valid_nll',
           'valid_bacc', 'train_accuracy', 'train_bacc', 'bar_total']
 
@@ -44,18 +43,20 @@ def single_process():
     return net, net.predict(X_valid), net.predict_proba(X_valid)
 
 
+LAUNCH_LIMIT = 540  # test_fully_sharded.py's, and a minute to start
+
+
 @pytest.fixture(scope='module')
-def launch(tmp_path_factory):
-    return launch_scenarios(SCRIPTS / 'eval_worker.py',
-                            tmp_path_factory.mktemp('eval'), ENGINES)
+def launch(fsdp_launch):
+    return fsdp_launch
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_LIMIT)
 def test_the_launch_of_all_engines_succeeds(launch):
     assert_launch_succeeded(launch)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(LAUNCH_LIMIT)
 # evaluation passes per rank over one pass of the validation set: 5
 # rounds, or with micro_batch_size=3 (fsdp-micro) 3 pieces of each 7-row
 # batch and 2 in the last round, where rank 1 runs 2 padding passes (one
@@ -64,7 +65,7 @@ def test_the_launch_of_all_engines_succeeds(launch):
     ('ddp', 5, 1), ('fsdp', 5, 1), ('fsdp-micro', 4 * 3 + 2, 2)])
 def test_evaluation_is_shared_and_exact(launch, engine, passes, padding,
                                         single_process):
-    ranks = launch.ranks(engine, weights_only=False)
+    ranks = launch.ranks('eval_worker:' + engine, weights_only=False)
     net, predict, proba = single_process
     for rank in ranks:
         for key in SCORES:

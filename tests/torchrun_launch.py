@@ -3,8 +3,10 @@ each scenario left (see torchrun_scripts/worker_common.py).
 
 Starting torchrun and its ranks, each importing torch and skorch, takes
 seconds, far longer than the small fits the tests run: a module launches
-once with every scenario its tests need (a module-scoped fixture), and each
-test reads its own scenario's outputs with :meth:`Launch.ranks`.
+once with every scenario its tests need (a module-scoped fixture, or
+conftest.py's ``ddp_launch`` and ``fsdp_launch``, which serve several
+modules), and each test reads its own scenario's outputs with
+:meth:`Launch.ranks`.
 
 A hang fails fast and leaves nothing behind. Each scenario has a time limit
 (``scenario_limit``, enforced by the worker: torchrun_scripts/

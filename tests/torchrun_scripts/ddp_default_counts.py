@@ -1,6 +1,7 @@
 """One rank of data-parallel fits of a token-level loss with no
-``count_loss_items`` override; started by tests/test_loss_items.py with
-``torchrun --nproc_per_node 2``.
+``count_loss_items`` override, for tests/test_loss_items.py:
+``ddp_default_counts:CASE`` scenarios of test_distributed.py's launch
+(worker_common.py), or on its own.
 
 Usage: ddp_default_counts.py OUT_DIR CASES, a comma-separated list of the
 criterion's parameters in CASES (run one after another, see
@@ -40,14 +41,15 @@ def run(case, out_dir):
                  criterion__ignore_index=IGNORE, batch_size=BATCH_SIZE,
                  acc_steps=ACC_STEPS, max_epochs=2, lr=0.5, train_split=None,
                  verbose=0, **CASES[case])
-    net.fit(X, y)
+    with warnings.catch_warnings():  # the counts need no override
+        warnings.simplefilter('error', LossItemsWarning)
+        net.fit(X, y)
     save_rank({'params': net.module_.module.state_dict(),
                'train_loss': [float(v) for v in net.history[:, 'train_loss']]},
               out_dir)
 
 
 def main(out_dir, cases):
-    warnings.simplefilter('error', LossItemsWarning)
     run_scenarios(out_dir, cases, run)
 
 

@@ -1,5 +1,6 @@
-"""One rank of data-parallel fits of a module with dropout; started by
-tests/test_rank_streams.py under ``torchrun``.
+"""One rank of data-parallel fits of a module with dropout, for
+tests/test_rank_streams.py: ``dropout_worker:ENGINE`` scenarios of
+test_fully_sharded.py's launch (worker_common.py), or on its own.
 
 Usage: dropout_worker.py OUT_DIR ENGINES, a comma-separated list of ``ddp``
 and ``fsdp``, run one after another (see worker_common.py). For each, a

@@ -1,5 +1,6 @@
-"""One rank of data-parallel fits with validation and scoring; started by
-tests/test_sharded_evaluation.py under ``torchrun``.
+"""One rank of data-parallel fits with validation and scoring, for
+tests/test_sharded_evaluation.py: ``eval_worker:ENGINE`` scenarios of
+test_fully_sharded.py's launch (worker_common.py), or on its own.
 
 Usage: eval_worker.py OUT_DIR ENGINES, a comma-separated list of ``ddp``,
 ``fsdp`` and ``fsdp-micro`` (FSDP with ``micro_batch_size=3``: evaluation in

@@ -1,12 +1,15 @@
 """What the torchrun workers share: the process group, scenarios, teardown.
 
-A worker's command line is ``OUT_DIR SCENARIOS [ARGS]``, where SCENARIOS is a
-comma-separated list: :func:`run_scenarios` runs them one after another in
+A worker's command line is ``OUT_DIR SCENARIOS [ARGS]``, where SCENARIOS is
+a comma-separated list: :func:`run_scenarios` runs them one after another in
 one process group, so that one launch of torchrun (seconds of start-up)
-serves many tests. Each scenario starts from the same seed, with a new net,
-and writes to its own folder OUT_DIR/SCENARIO; it ends with each rank's
-``rank{r}.pt`` (:func:`save_rank`), which the tests take as its mark of
-completion. A scenario that raises writes its traceback to
+serves many tests. ``WORKER:NAME`` is another worker's scenario (a module
+here, whose ``run(NAME, folder)`` runs it): one launch serves the tests of
+several modules (conftest.py's ``ddp_launch`` and ``fsdp_launch``). Each
+scenario starts from the same seed, with a new net, and writes to its own
+folder OUT_DIR/SCENARIO; it ends with each rank's ``rank{r}.pt``
+(:func:`save_rank`), which the tests take as its mark of completion. A
+scenario that raises writes its traceback to
 OUT_DIR/SCENARIO/error-rank{r}.txt and ends the rank, as it would end a
 user's script: torchrun then stops the other ranks, which could otherwise
 wait forever in a collective, and the scenarios after it leave no output.
@@ -19,6 +22,8 @@ to the scenario's error file and exits.
 
 import contextlib
 import faulthandler
+import functools
+import importlib
 import os
 import sys
 import threading
@@ -116,12 +121,21 @@ def run_scenarios(out_dir, scenarios, run_one, backend='gloo',
         torch.manual_seed(0)
         try:
             with deadline('scenario {!r}'.format(scenario), folder):
-                run_one(scenario, folder)
+                runner(scenario, run_one)(folder)
         except BaseException:
             (folder / 'error-rank{}.txt'.format(os.environ.get('RANK'))
              ).write_text(traceback.format_exc())
             raise  # as a user's script would: torchrun stops the other ranks
     finish()
+
+
+def runner(scenario, run_one):
+    """What runs ``scenario`` in a folder: ``run_one``, or for
+    ``WORKER:NAME`` the worker module's ``run`` with ``NAME``."""
+    worker, _, name = scenario.rpartition(':')
+    if not worker:
+        return functools.partial(run_one, scenario)
+    return functools.partial(importlib.import_module(worker).run, name)
 
 
 def finish():
