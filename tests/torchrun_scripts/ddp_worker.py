@@ -343,7 +343,7 @@ def run(scenario, out_dir, device):
     torch.manual_seed(rank if scenario == 'shuffle' else 0)
     OUT_DIR[:] = [out_dir]
     net, X, y = make_net_and_data(scenario, rank, device)
-    if scenario == 'plan':
+    if scenario in ('plan', 'uneven'):
         return refuse(net, X, y, out_dir)
     if scenario == 'pickle':
         return pickle_and_resume(net, X, y, out_dir)
@@ -403,8 +403,9 @@ def params_of(net):
 
 
 def refuse(net, X, y, out_dir):
-    """'plan': the ValueError of a budget too small for one row, on every
-    rank, before the first step; saves it, and what training changed."""
+    """The ValueError that every rank raises before the first step ('plan':
+    a budget too small for one row; 'uneven': unequal steps); saves it, and
+    what training changed. The launch goes on."""
     net.initialize()
     initial = params_of(net)
     try:
@@ -421,7 +422,7 @@ def refuse(net, X, y, out_dir):
         'optimizer_state': len(net.optimizer_.state),
         'allreduces': net.engine_.allreduces,
         'micro_batches': getattr(net, 'micro_batches_', 0),
-        'memory_plan_': net.memory_plan_,
+        'memory_plan_': getattr(net, 'memory_plan_', None),
         # the rows of the batches that trained: with a loss
         'trained_batches': sum('train_loss' in row for epoch in net.history
                                for row in epoch['batches']),
