@@ -198,8 +198,7 @@ def provenance(module, argv):
                            'modified': None if changes is None else bool(changes)},
         'cpu': cpu, 'cpu_count': os.cpu_count(), 'platform': platform.platform(),
         'python': platform.python_version(), 'versions': versions,
-        'load_average': os.getloadavg(),
-    }
+        'load_average': os.getloadavg()}
 
 
 def parser(module, description):

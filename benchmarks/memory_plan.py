@@ -1,6 +1,6 @@
 """Does ``micro_batch_size='auto'`` keep its ``memory_budget``?
 
-    python -m benchmarks.memory_plan --out benchmark_results   # --quick: smoke
+    python -m benchmarks.memory_plan --out benchmark_results   # --quick: smoke, 1 thread
 
 Six workloads, three budgets, three repeats, each fit in a fresh process with users'
 environment (no ``MALLOC_*``, ``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``) after a small
@@ -42,7 +42,7 @@ MiB = 2 ** 20
 WORKLOADS = {'mlp': (2048, 2, (32, 40, 48)), 'cnn': (256, 2, (32, 64, 128)),
              'token_lm': (64, 2, (32, 64, 128)), 'gru': (128, 2, (32, 64, 96)),
              'classes': (1024, 2, (64, 96, 144)), 'regressor': (8192, 2, (32, 48, 72))}
-QUICK = {'mlp': (2048, 2, (40,))}  # the machinery, on one workload
+QUICK = {'mlp': (512, 2, (32,))}  # the machinery, on one workload
 EPOCHS, REPEATS, TOLERANCE = 2, {False: 3, True: 1}, {False: 1.1, True: 2.0}
 CE = {'criterion': torch.nn.CrossEntropyLoss}  # on logits (skorch's default: NLL)
 SGD = dict(CE, optimizer=torch.optim.SGD, optimizer__momentum=0.9, lr=0.01)
@@ -192,7 +192,8 @@ def measure(name, budget, quick):
     """A budget's (MiB) ``'auto'`` fits, the largest fixed size within it."""
     batch_size, batches, budgets = (QUICK if quick else WORKLOADS)[name]
     probes, auto = {}, {'micro_batch_size': 'auto', 'memory_budget': budget * MiB}
-    run = dict(name=name, batch_size=batch_size, batches=batches, budget=budget)
+    run = dict(name=name, batch_size=batch_size, batches=batches, budget=budget,
+               env={'OMP_NUM_THREADS': '1'} if quick else {})  # quick: beside tests
     fits = [spawn(kind='auto', params=auto, **run) for _ in range(REPEATS[quick])]
     plans = [(fit, fit['plan']) for fit in fits if fit['plan']]
 
@@ -208,8 +209,8 @@ def measure(name, budget, quick):
             'probes': dict(sorted(probes.items())),
             'rlimit_as': spawn(kind='rlimit_as', params=auto, **run) if budget == (
                 budgets[len(budgets) // 2]) else None,
-            'glibc_threshold': [spawn(kind='auto', params=auto, env=GLIBC_THRESHOLD,
-                                      **run) for _ in range(REPEATS[quick])],
+            'glibc_threshold': [spawn(kind='auto', params=auto, **dict(run, env=dict(
+                run['env'], **GLIBC_THRESHOLD))) for _ in range(REPEATS[quick])],
             'measured_vs_budget': [fit['peak'] / budget / MiB for fit in fits
                                    if fit['peak'] is not None],
             'predicted_vs_measured': [plan['predicted_peak'] / fit['peak']
