@@ -1,6 +1,6 @@
 """Does ``micro_batch_size='auto'`` keep its ``memory_budget``?
 
-    python -m benchmarks.memory_plan --out benchmark_results   # --quick: smoke, 1 thread
+    python -m benchmarks.memory_plan --out benchmark_results  # --quick: smoke, 1 thread
 
 Six workloads, three budgets, three repeats, each fit in a fresh process with users'
 environment (no ``MALLOC_*``, ``GLIBC_TUNABLES``, ``OMP_NUM_THREADS``) after a small
