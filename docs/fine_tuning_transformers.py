@@ -6,8 +6,8 @@ The page shows the code between the two marker comments below with
 ``tests/test_transformers_recipe.py``.
 
 After the second marker come the measurements that the notebook plots and
-the tests assert: padding waste, and the peak memory of ``fit``, measured in
-a fresh process by running this file as a script.
+asserts: padding waste, and the peak memory of ``fit``, measured in a fresh
+process by running this file as a script.
 """
 
 # --- begin: the code of docs/fine_tuning_transformers.rst ---
