@@ -5,6 +5,7 @@ The oracle for most tests is plain skorch with ``batch_size * acc_steps``
 """
 
 import copy
+import importlib
 import json
 import os
 import re
@@ -556,7 +557,7 @@ def fsdp_launch(tmp_path_factory):
 
 def _shared_launch(host, tmp_path_factory):
     from torchrun_launch import launch_scenarios
-    module = __import__(host)
+    module = importlib.import_module(host)
     return launch_scenarios(module.WORKER, tmp_path_factory.mktemp(host),
                             module.SCENARIOS, timeout=module.LAUNCH_LIMIT)
 

@@ -55,7 +55,12 @@ from test_streaming import (
 )
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
-from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
+from torchrun_launch import (
+    SHARED_LAUNCH_LIMIT,
+    assert_launch_succeeded,
+    launch,
+    launch_scenarios,
+)
 
 from skorch_gradacc import GradAccNeuralNetClassifier
 from skorch_gradacc.distributed import DistributedGradAccMixin
@@ -94,7 +99,7 @@ if importlib.util.find_spec('transformers'):
     SCENARIOS.append('outputs')
 if importlib.util.find_spec('accelerate'):
     SCENARIOS.extend(['accelerate', 'accelerate_criterion'])
-LAUNCH_LIMIT = 480
+LAUNCH_LIMIT = SHARED_LAUNCH_LIMIT
 
 
 class PicklableDDPClassifier(DistributedGradAccMixin, GradAccNeuralNetClassifier):

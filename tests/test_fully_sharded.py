@@ -25,7 +25,12 @@ from test_inputs import assert_records_equal, fit_plain_state_net
 from test_normalization import IGNORE, TokenTagger, token_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
-from torchrun_launch import assert_launch_succeeded, launch, launch_scenarios
+from torchrun_launch import (
+    SHARED_LAUNCH_LIMIT,
+    assert_launch_succeeded,
+    launch,
+    launch_scenarios,
+)
 
 from skorch_gradacc import (
     FullyShardedGradAccMixin,
@@ -82,7 +87,7 @@ SCENARIOS = ['samples', 'samples_each', 'clip', 'bf16', 'fp16', 'tokens',
              'sampler', 'fp16_tokens', 'fp16_spike', 'batchnorm', 'compile', 'state',
              'dropout_worker:ddp', 'dropout_worker:fsdp', 'eval_worker:ddp',
              'eval_worker:fsdp', 'eval_worker:fsdp-micro']
-LAUNCH_LIMIT = 480
+LAUNCH_LIMIT = SHARED_LAUNCH_LIMIT
 
 
 @pytest.fixture(scope='module')

@@ -14,7 +14,7 @@ import torch
 from skorch import NeuralNet
 from test_inputs import WeightedDataset
 from test_normalization import IGNORE, VOCAB, TokenTagger, token_data, token_nets
-from torchrun_launch import assert_launch_succeeded
+from torchrun_launch import SHARED_LAUNCH_LIMIT, assert_launch_succeeded
 
 from skorch_gradacc import (
     GradAccNeuralNet,
@@ -535,26 +535,20 @@ def test_the_check_changes_no_state(module):
 
 SCRIPTS = Path(__file__).parent / 'torchrun_scripts'
 DDP_CASES = ['ignore_index', 'weight_smoothing']
-LAUNCH_LIMIT = 540  # test_distributed.py's, and a minute to start
-
-
-@pytest.fixture(scope='module')
-def ddp_default_counts(ddp_launch):
-    """ddp_default_counts.py's scenarios, both DDP_CASES, ran in
-    test_distributed.py's launch (conftest.py's ``ddp_launch``)."""
-    return ddp_launch
+# ddp_default_counts.py's scenarios run in test_distributed.py's launch
+# (conftest.py's ``ddp_launch``)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(LAUNCH_LIMIT)
-def test_the_launch_of_both_cases_succeeds(ddp_default_counts):
-    assert_launch_succeeded(ddp_default_counts)
+@pytest.mark.timeout(SHARED_LAUNCH_LIMIT + 60)
+def test_the_launch_of_both_cases_succeeds(ddp_launch):
+    assert_launch_succeeded(ddp_launch)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(LAUNCH_LIMIT)
+@pytest.mark.timeout(SHARED_LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('case', DDP_CASES)
-def test_default_counts_under_ddp_with_uneven_tokens(case, ddp_default_counts):
+def test_default_counts_under_ddp_with_uneven_tokens(case, ddp_launch):
     # 2 ranks, micro-batches of 4 rows, acc_steps=3: the large batch is 24
     sys.path.insert(0, str(SCRIPTS))
     from ddp_default_counts import BATCH_SIZE, CASES
@@ -562,7 +556,7 @@ def test_default_counts_under_ddp_with_uneven_tokens(case, ddp_default_counts):
     tokens = [(y[start:start + BATCH_SIZE] != IGNORE).sum()
               for start in range(0, 24, BATCH_SIZE)]
     assert len(set(tokens)) > 2  # the ranks' micro-batches count unlike
-    ranks = ddp_default_counts.ranks('ddp_default_counts:' + case)
+    ranks = ddp_launch.ranks('ddp_default_counts:' + case)
     torch.manual_seed(0)
     plain = NeuralNet(TokenTagger, criterion=torch.nn.CrossEntropyLoss,
                       criterion__ignore_index=IGNORE, batch_size=24,

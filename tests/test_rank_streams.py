@@ -6,21 +6,20 @@ on 2 gloo ranks in test_fully_sharded.py's launch (conftest.py's
 """
 
 import pytest
-from torchrun_launch import assert_launch_succeeded
+from torchrun_launch import SHARED_LAUNCH_LIMIT, assert_launch_succeeded
 
 pytestmark = pytest.mark.slow
 
 ENGINES = ['ddp', 'fsdp']
 N_ROWS = 195
-LAUNCH_LIMIT = 540  # test_fully_sharded.py's, and a minute to start
 
 
-@pytest.mark.timeout(LAUNCH_LIMIT)
+@pytest.mark.timeout(SHARED_LAUNCH_LIMIT + 60)
 def test_the_launch_of_both_engines_succeeds(fsdp_launch):
     assert_launch_succeeded(fsdp_launch)
 
 
-@pytest.mark.timeout(LAUNCH_LIMIT)
+@pytest.mark.timeout(SHARED_LAUNCH_LIMIT + 60)
 @pytest.mark.parametrize('engine', ENGINES)
 def test_ranks_draw_their_own_dropout_masks_on_one_order(fsdp_launch, engine):
     ranks = fsdp_launch.ranks('dropout_worker:' + engine)

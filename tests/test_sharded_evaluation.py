@@ -27,7 +27,7 @@ from eval_worker import (  # noqa: E402
     data,
     net_kwargs,
 )
-from torchrun_launch import assert_launch_succeeded  # noqa: E402
+from torchrun_launch import SHARED_LAUNCH_LIMIT, assert_launch_succeeded  # noqa: E402
 
 SCORES = ['valid_loss', 'valid_acc', 'valid_accuracy', 'valid_nll',
           'valid_bacc', 'train_accuracy', 'train_bacc', 'bar_total']
@@ -43,29 +43,21 @@ def single_process():
     return net, net.predict(X_valid), net.predict_proba(X_valid)
 
 
-LAUNCH_LIMIT = 540  # test_fully_sharded.py's, and a minute to start
+@pytest.mark.timeout(SHARED_LAUNCH_LIMIT + 60)
+def test_the_launch_of_all_engines_succeeds(fsdp_launch):
+    assert_launch_succeeded(fsdp_launch)
 
 
-@pytest.fixture(scope='module')
-def launch(fsdp_launch):
-    return fsdp_launch
-
-
-@pytest.mark.timeout(LAUNCH_LIMIT)
-def test_the_launch_of_all_engines_succeeds(launch):
-    assert_launch_succeeded(launch)
-
-
-@pytest.mark.timeout(LAUNCH_LIMIT)
+@pytest.mark.timeout(SHARED_LAUNCH_LIMIT + 60)
 # evaluation passes per rank over one pass of the validation set: 5
 # rounds, or with micro_batch_size=3 (fsdp-micro) 3 pieces of each 7-row
 # batch and 2 in the last round, where rank 1 runs 2 padding passes (one
 # with the others), so that FSDP's ranks gather parameters alike
 @pytest.mark.parametrize('engine, passes, padding', [
     ('ddp', 5, 1), ('fsdp', 5, 1), ('fsdp-micro', 4 * 3 + 2, 2)])
-def test_evaluation_is_shared_and_exact(launch, engine, passes, padding,
+def test_evaluation_is_shared_and_exact(fsdp_launch, engine, passes, padding,
                                         single_process):
-    ranks = launch.ranks('eval_worker:' + engine, weights_only=False)
+    ranks = fsdp_launch.ranks('eval_worker:' + engine, weights_only=False)
     net, predict, proba = single_process
     for rank in ranks:
         for key in SCORES:

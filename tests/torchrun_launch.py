@@ -36,6 +36,10 @@ TIME_LIMIT = 240
 # machine; the rest is for a loaded machine, and for a rank that waits in
 # the set-up for another still importing
 SCENARIO_LIMIT = 60
+# seconds a launch that conftest.py's ddp_launch or fsdp_launch shares may
+# take: its host module's LAUNCH_LIMIT; a test that reads it waits a minute
+# more, for what the launch's start takes
+SHARED_LAUNCH_LIMIT = 480
 TAIL = 3000
 # the variable whose value marks the processes of one launch
 MARK_VAR = 'SKORCH_GRADACC_TEST_LAUNCH'
