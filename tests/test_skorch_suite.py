@@ -52,18 +52,18 @@ MIN_PASSED = {'plain': 50, 'stream': 800, 'acc2': 500}
 # run whole: a file's name selects its tests)
 LEFT_OUT = {('plain', 'test_net.py'): ' or '.join(sorted(OUT_OF_SCOPE_IN_PIECES))}
 # Each mode's files run in processes of their own (each start takes about 8
-# CPU-seconds), the longest first, each job's files in their order in a
-# fresh process, so that a module-scoped fixture such as TestNeuralNet's
-# net_fit is trained from the same random state in every run. They start
-# when the suite's collection ends, one at a time while the rest of the
-# suite runs (it uses one core mostly, its background tasks the other), and
-# two at a time once those tasks are done or the tests here wait for them
-# (they run last; conftest.py).
-JOBS = [('stream', ['callbacks', 'test_classifier.py', 'test_regressor.py',
+# CPU-seconds), the longest first (run alone: 42, 35, 32 and 12 s), each job's
+# files in their order in a fresh process, so that a module-scoped fixture such
+# as TestNeuralNet's net_fit is trained from the same random state in every
+# run. They start when the suite's collection ends, one at a time while the
+# rest of the suite runs (it uses one core mostly, its background tasks the
+# other), and two at a time once those tasks are done or the tests here wait
+# for them (they run last; conftest.py).
+JOBS = [('stream', ['test_net.py']),
+        ('stream', ['callbacks', 'test_classifier.py', 'test_regressor.py',
                     'test_helper.py', 'test_history.py']),
         ('acc2', ['callbacks', 'test_classifier.py', 'test_regressor.py',
                   'test_helper.py']),
-        ('stream', ['test_net.py']),
         ('plain', ['test_classifier.py', 'test_regressor.py', 'test_net.py'])]
 TIME_LIMIT = 1500
 NICENESS = 5
