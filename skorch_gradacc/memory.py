@@ -66,6 +66,13 @@ PLAN_PASS_SHARE = 0.25
 # train, so that many cost no time
 PLAN_VERIFIES = 6
 
+# on the CPU, the share of its peak that the plan's largest pass may leave
+# resident once it freed it: past it, its tensors (under the mmap threshold)
+# went to malloc's heap, whose holes later pieces of other shapes do not
+# fill, as no pass shows (a GRU's fit took 1.16x its plan): such a plan
+# leaves twice the margin
+HEAP_KEPT_SHARE = 0.4
+
 _BUDGET_UNITS = {'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                  'tb': 10 ** 12, 'kib': 2 ** 10, 'mib': 2 ** 20,
                  'gib': 2 ** 30, 'tib': 2 ** 40}
@@ -220,9 +227,10 @@ def plan_memory(net, group, buffers, **fit_params):
 
     A pass's peak in the fit is its peak here, with what later passes left
     held, the optimizers' new state and what the group keeps. The plan is
-    the largest pass whose peak fits the budget less the :func:`margin`,
-    or the most rows on the line between it and the least pass that took
-    more, on the grid of
+    the largest pass whose peak fits the budget less the :func:`margin`
+    (twice it where the largest pass left its heap resident,
+    ``HEAP_KEPT_SHARE``), or the most rows on the line between it and the
+    least pass that took more, on the grid of
     :func:`~skorch_gradacc.batching.planned_rows`, the least over ranks
     once none verifies more, as a cost (``batch_cost``) for other
     micro-batches; it goes to ``net.memory_plan_``: ``'budget'`` (and the
@@ -277,6 +285,9 @@ def plan_memory(net, group, buffers, **fit_params):
         raise RuntimeError(_ONE_ROW)
     _refuse_unless(net, engine, line.good, budget,
                    line.now(smallest) + state + kept, known)
+    last = passes[max(size for size in passes if passes[size])]  # HEAP_KEPT_SHARE
+    limit -= margin(budget, known) * (meter.device.type == 'cpu' and (
+        last.after - last.start > HEAP_KEPT_SHARE * (last.peak - last.start)))
     net.memory_plan_ = {
         'budget': budget, 'memory_budget': net.memory_budget, 'method': meter.method,
         'margin': int(budget - limit), 'measured_peak': None, 'settled': False,
@@ -476,14 +487,10 @@ def _refuse_unless(net, engine, fits, budget, need, known):
         return
     least = -engine.min_over_ranks(-math.ceil(0 if fits else max(  # margin's inverse
         (need - PLAN_MARGIN * known) / (1 - PLAN_MARGIN), need + PLAN_MARGIN_BYTES)))
-    if fits:
-        given = "another rank's budget is"
-    elif net.memory_budget is None:
-        given = ('the memory this process can still take (memory_budget=None) '
-                 'is {:.1f} MiB,'.format(budget / 2 ** 20))
-    else:
-        given = 'memory_budget={!r} is {:.1f} MiB,'.format(
-            net.memory_budget, budget / 2 ** 20)
+    given = "another rank's budget is" if fits else '{} is {:.1f} MiB,'.format(
+        'the memory this process can still take (memory_budget=None)' if
+        net.memory_budget is None else 'memory_budget={!r}'.format(net.memory_budget),
+        budget / 2 ** 20)
     raise ValueError(
         "micro_batch_size='auto': {} less than pieces of one row need: at "
         "least {:.1f} MiB (predicted, with the plan's margin); give a larger "
@@ -598,10 +605,9 @@ def is_out_of_memory(error):
     True
 
     """
-    return isinstance(error, _OUT_OF_MEMORY_ERRORS) or (
-        isinstance(error, RuntimeError)
-        and any(text in str(error) for text in (
-            CPU_ALLOCATOR_ERROR, ONEDNN_ERROR, CPP_ALLOCATION_ERROR)))
+    texts = CPU_ALLOCATOR_ERROR, ONEDNN_ERROR, CPP_ALLOCATION_ERROR
+    return isinstance(error, _OUT_OF_MEMORY_ERRORS) or isinstance(
+        error, RuntimeError) and any(text in str(error) for text in texts)
 
 
 # the counts of a zero-row pass that stands in for a failed one

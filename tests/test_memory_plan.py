@@ -618,6 +618,42 @@ def test_long_sequences_are_split_into_more_pieces():
     assert_same_history(acc_net, plain_net, ignore=['micro_batch_size'])
 
 
+class GRUOnTokens(torch.nn.Module):
+    """A GRU of 256 units over 60 tokens: a piece of 16 rows takes tensors
+    of 16 KiB a step, under the mmap threshold, on malloc's heap."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 32)
+        self.gru = torch.nn.GRU(32, 256, batch_first=True)
+        self.output = torch.nn.Linear(256, 3)
+
+    def forward(self, X):
+        return torch.softmax(self.output(self.gru(self.embed(X))[1][-1]), dim=-1)
+
+
+@pytest.mark.own_process
+def test_a_heap_that_keeps_what_the_passes_freed_gets_twice_the_margin(clf_data):
+    # the GRU's passes free their states into the heap's holes, resident,
+    # where pieces of other lengths land beside them later (the benchmark's
+    # GRU took 1.16x its plan); the wide MLP's tensors get mappings of their
+    # own, given back. Both keep the budget
+    rng, budget = np.random.RandomState(0), 128 * MiB
+    tokens = rng.randint(1, 20, size=(256, 60)), rng.randint(0, 3, size=256)
+    margins = {}
+    for name, kwargs, (X, y) in [
+            ('gru', dict(WIDE, module=GRUOnTokens, lr=1e-3), tokens),
+            ('mlp', WIDE, (clf_data[0][:128], clf_data[1][:128]))]:
+        plan = fit_seeded(GradAccNeuralNetClassifier(
+            micro_batch_size='auto', memory_budget=budget, **kwargs), X, y
+        ).memory_plan_
+        assert plan['measured_peak'] <= budget, (name, plan)
+        margins[name] = plan['margin'] / (PLAN_MARGIN * budget)
+    # PLAN_MARGIN of the budget less what is held and counted, at most
+    # PLAN_MARGIN * budget; twice that is more, with this little held
+    assert margins['gru'] > 1.5 and margins['mlp'] <= 1, margins
+
+
 # The back-off after an allocation error
 
 class FailsAfterThePlan(Callback):
