@@ -32,11 +32,7 @@ from skorch_gradacc.batching import (
     split_batch,
     take_rows,
 )
-from skorch_gradacc.counting import (
-    net_optimizers,
-    restore_buffers,
-    snapshot_buffers,
-)
+from skorch_gradacc.counting import net_optimizers, restore_buffers, snapshot_buffers
 from skorch_gradacc.meters import MemoryMeter, memory_settings
 
 __all__ = ['is_out_of_memory', 'margin', 'parse_budget', 'plan_memory']
@@ -254,12 +250,13 @@ def plan_memory(net, group, buffers, **fit_params):
     if not engine.all_ranks(meter.method is not None and budget is not None
                             and rows >= 1):
         return  # nothing to measure or nothing known: back off only
-    # the group's other micro-batches, and the next one, loaded beside them
-    kept = (group.size if group.keep else 1) * nbytes(first)
+    # beside a pass, the group's other micro-batches where it keeps them; the
+    # next one loads after the last one's pieces (grouping's one at a time)
+    kept = (group.size - 1 if group.keep else 0) * (batch := nbytes(first))
     known = meter.held() + nbytes(_learnable(net)) + kept  # and the gradients
     # the fit's peak so far, loading the first batch: later ones load beside
-    # the last, the gradients and the optimizers' state
-    loading = known + meter.peak() - meter.held()
+    # the last (a group's, kept), the gradients and the optimizers' state
+    loading = known + batch + meter.peak() - meter.held()
     limit = budget - margin(budget, known)
     _refuse_unless(net, engine, known <= limit, budget, known, known)
     meter.reset(release=True)  # the passes' memory shows, not reused unseen
@@ -297,9 +294,9 @@ def plan_memory(net, group, buffers, **fit_params):
                    for size, result in passes.items()]}
     net._plan_verify_ = types.SimpleNamespace(
         passes=passes, room=limit - state - kept, rows=rows, held=meter.held(),
-        per_row=cost_per_row(first), size=size, verifies=verifies,
+        per_row=cost_per_row(first), size=size, verifies=verifies, state=state,
         beside=state + kept, floor=max(meter.held() + step + kept, loading + state),
-        meter=meter, start=None, unused=1, paired=False)
+        meter=meter, start=None, first=None, creep=0, unused=1, paired=False)
     _settle(net, engine.min_over_ranks)
     meter.reset(release=True)  # the fit starts without the passes' caches
 
@@ -312,11 +309,11 @@ def _settle(net, agree):
     plan settled without ``agree`` is this rank's alone.
     """
     rows, per_row = (verify := net._plan_verify_).rows, verify.per_row
-    line = _line(verify.passes, verify.room, rows, verify.held)
+    line = _line(verify.passes, verify.room - verify.creep, rows, verify.held)
     max_cost = agree(math.ceil(per_row * planned_rows(rows, line.rows)))
     planned = planned_rows(rows, rows_within(max_cost, per_row, rows))
     net.micro_batch_size_ = planned if planned < rows else None
-    peak = max([line.peak(planned) + verify.beside, verify.floor] + [
+    peak = max([line.peak(planned) + verify.beside + verify.creep, verify.floor] + [
         seen for _, seen in net.memory_plan_['verified'] if seen])  # the fit's
     net.memory_plan_.update(max_cost=max_cost, micro_batch_size=planned,
                             predicted_peak=int(peak))
@@ -328,11 +325,17 @@ def _settle(net, agree):
 def _verified(net):
     """Note the peak of the verifying piece that ran, and plan anew."""
     verify = net._plan_verify_
-    # from the passes' start: what a step holds besides (the next
-    # micro-batch, the optimizers' state after the first step) is not the
+    # from the passes' start: what a step holds besides (the optimizers'
+    # state after the first step, a group's kept micro-batches) is not the
     # piece's, and the plan counts it apart
     base = max(result.start for result in verify.passes.values() if result)
     shift = base - verify.start
+    # what training held at a piece's start beyond the first one's, less the
+    # optimizers' state once made: what pieces of new sizes left held (their
+    # kernels' code and caches), as later ones will; the plan counts it
+    verify.first = verify.first or verify.start
+    verify.creep = max(verify.creep, verify.start - verify.first - verify.state * any(
+        len(optimizer.state) for optimizer in net_optimizers(net)))
     peak, after = verify.meter.peak() + shift, verify.meter.held() + shift
     if verify.twice:  # the share of what one piece left that the next added
         one_peak, one_after = (value + shift for value in verify.one)
