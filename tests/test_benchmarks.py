@@ -313,6 +313,7 @@ def quoted_memory_plan():
     rows = [row for _, row in budgets]
     fits = [fit for row in rows for fit in row['fits']]
     capped = [row['rlimit_as'] for row in rows if row['rlimit_as']]
+    backoffs = sum(len(fit['backoffs']) for fit in capped)
 
     def every(key):  # a fit that failed has no ratios
         return [value for row in rows for value in row[key]]
@@ -339,10 +340,10 @@ def quoted_memory_plan():
             len(rows)),
         'planning took {} optimizer steps'.format(_span(
             every('plan_steps'), '{:.2f}')),
-        'under ``RLIMIT_AS``, {} of {} workloads trained ({} back-offs), within '
+        'under ``RLIMIT_AS``, {} of {} workloads trained ({} back-off{}), within '
         '{} of plain skorch'.format(
-            sum(not fit['error'] for fit in capped), len(capped),
-            sum(len(fit['backoffs']) for fit in capped),
+            sum(not fit['error'] for fit in capped), len(capped), backoffs,
+            '' if backoffs == 1 else 's',
             _span([max(fit.get('max_param_diff', 0) for fit in capped)], '{:.1e}')),
         'the memory plans in about {:.0f} minutes'.format(plan['seconds'] / 60),
     ] + quoted_glibc_threshold(budgets)
