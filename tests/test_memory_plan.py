@@ -663,8 +663,8 @@ def test_a_plan_of_large_rows_counts_what_training_holds():
     # pieces are done (one at a time), not beside them, where counting it
     # predicted 1.14x the peak (the benchmark's CNN at 32 MiB: pieces of 26
     # rows, 47 fit); pieces of new sizes leave their kernels' code and
-    # caches held, which the next verifying piece counts (counted as the
-    # state, one reached 0.96x the budget)
+    # caches held, which the next verifying piece counts (uncounted, one
+    # fit reached 0.96x its budget; this test does not catch that)
     X = np.random.default_rng(0).standard_normal((512, 3, 32, 32), np.float32)
     y, budget = np.arange(512) % 10, 32 * MiB
 
