@@ -490,10 +490,11 @@ def _refuse_unless(net, engine, fits, budget, need, known):
         return
     least = -engine.min_over_ranks(-math.ceil(0 if fits else max(  # margin's inverse
         (need - PLAN_MARGIN * known) / (1 - PLAN_MARGIN), need + PLAN_MARGIN_BYTES)))
+    named = 'memory_budget={!r}'.format(net.memory_budget)
+    if net.memory_budget is None:
+        named = 'the memory this process can still take (memory_budget=None)'
     given = "another rank's budget is" if fits else '{} is {:.1f} MiB,'.format(
-        'the memory this process can still take (memory_budget=None)' if
-        net.memory_budget is None else 'memory_budget={!r}'.format(net.memory_budget),
-        budget / 2 ** 20)
+        named, budget / 2 ** 20)
     raise ValueError(
         "micro_batch_size='auto': {} less than pieces of one row need: at "
         "least {:.1f} MiB (predicted, with the plan's margin); give a larger "
