@@ -22,7 +22,7 @@ import torch
 from skorch import NeuralNetRegressor
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
-from torchrun_launch import assert_launch_succeeded, launch
+from torchrun_launch import TIME_LIMIT, assert_launch_succeeded, launch
 
 from conftest import (
     PARAM_ATOL,
@@ -38,7 +38,6 @@ pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'checkpoint_worker.py'
 N_TRAIN, N_VALID, LARGE_BATCH = 195, 61, 48
-TIME_LIMIT = 240
 
 
 def run_ranks(out_dir, fits, nproc, acc_steps, epochs, options=('--standalone',),

@@ -57,6 +57,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 from torchrun_launch import (
     SHARED_LAUNCH_LIMIT,
+    TIME_LIMIT,
+    WORLD_SIZE,
     assert_launch_succeeded,
     launch,
     launch_scenarios,
@@ -83,10 +85,9 @@ from conftest import (
 
 WORKER = Path(__file__).parent / 'torchrun_scripts' / 'ddp_worker.py'
 LATE_RELEASE = Path(__file__).parent / 'torchrun_scripts' / 'late_release.py'
-WORLD_SIZE, BATCH_SIZE, ACC_STEPS = 2, 8, 3
+BATCH_SIZE, ACC_STEPS = 8, 3
 STREAM = dict(criterion=TokenCrossEntropy, optimizer=torch.optim.Adam,
               lr=0.01)
-TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests and
 # test_loss_items.py's (conftest.py's ddp_launch), at 2 gloo ranks;
 # accelerate last (Accelerate's state lives as long as the process)

@@ -27,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 from torchrun_launch import (
     SHARED_LAUNCH_LIMIT,
+    TIME_LIMIT,
+    WORLD_SIZE,
     assert_launch_succeeded,
     launch,
     launch_scenarios,
@@ -75,8 +77,6 @@ from fsdp_worker import (  # noqa: E402
 )
 
 WORKER = DISTRIBUTED / 'fsdp_worker.py'
-WORLD_SIZE = 2
-TIME_LIMIT = 240
 # the scenarios of the one launch for this module's tests, and
 # test_rank_streams.py's and test_sharded_evaluation.py's (conftest.py's
 # fsdp_launch), at 2 gloo ranks

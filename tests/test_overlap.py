@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from skorch import NeuralNetRegressor
 from torch.nn.parallel import DistributedDataParallel
-from torchrun_launch import launch
+from torchrun_launch import TIME_LIMIT, WORLD_SIZE, launch
 
 from skorch_gradacc import GradAccNeuralNetRegressor
 
@@ -35,8 +35,6 @@ from overlap_worker import (  # noqa: E402
     fp16_module,
     module,
 )
-
-WORLD_SIZE, TIME_LIMIT = 2, 240
 
 
 @pytest.fixture(scope='module')
