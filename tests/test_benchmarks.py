@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import run  # noqa: E402
 from benchmarks.harness import _git  # noqa: E402
 from benchmarks.suite import CONTENDERS, RSS_CONTENDERS  # noqa: E402
+from skorch_gradacc.batching import planned_above  # noqa: E402
 
 MODELS = ('mlp', 'cnn', 'transformer')
 
@@ -311,6 +312,11 @@ def quoted_memory_plan():
     budgets = [(int(budget), row) for entry in plan['workloads'].values()
                for budget, row in entry['budgets'].items()]
     rows = [row for _, row in budgets]
+    # the chosen sizes' spread over repeats: neighbours on the plan's grid
+    near = sum(None not in row['chosen'] and (
+        len(set(row['chosen'])) == 1 or max(row['chosen']) == planned_above(
+            entry['batch_size'], min(row['chosen'])))
+        for entry in plan['workloads'].values() for row in entry['budgets'].values())
     fits = [fit for row in rows for fit in row['fits']]
     capped = [row['rlimit_as'] for row in rows if row['rlimit_as']]
     backoffs = sum(len(fit['backoffs']) for fit in capped)
@@ -333,6 +339,7 @@ def quoted_memory_plan():
         'the same size in all {} repeats for {} of the {} budgets'.format(
             plan['repeats'], sum(len(set(row['chosen'])) == 1 for row in rows),
             len(rows)),
+        'but at most a grid step apart in {} of the {}'.format(near, len(rows)),
         'the planned pieces were {} of the largest fixed size'.format(_span(
             every('chosen_vs_largest'), '{:.2f}x')),
         'as few as the largest fixed size in {} of the {} budgets'.format(
