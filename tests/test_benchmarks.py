@@ -340,6 +340,10 @@ def quoted_memory_plan():
             plan['repeats'], sum(len(set(row['chosen'])) == 1 for row in rows),
             len(rows)),
         'but at most a grid step apart in {} of the {}'.format(near, len(rows)),
+        'Fixed fits at the least planned size peaked at up to {:.2f}x'.format(max(
+            row['probes'][str(min(filter(None, row['chosen']), default=1))]
+            / budget / 2 ** 20
+            for budget, row in budgets)),
         'the planned pieces were {} of the largest fixed size'.format(_span(
             every('chosen_vs_largest'), '{:.2f}x')),
         'as few as the largest fixed size in {} of the {} budgets'.format(
