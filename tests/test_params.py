@@ -141,6 +141,7 @@ class TestSklearnApi:
 
 
 class TestSearches:
+    @pytest.mark.slow  # joblib's worker processes import torch: seconds
     def test_randomized_search_parallel_over_acc_steps_and_batch_size(
             self, clf_data):
         from sklearn.model_selection import RandomizedSearchCV
@@ -156,6 +157,7 @@ class TestSearches:
         assert all(set(p) == {'acc_steps', 'batch_size'} for p in params)
         assert np.isfinite(search.cv_results_['mean_test_score']).all()
 
+    @pytest.mark.slow  # joblib's worker processes import torch: seconds
     def test_parallel_search_matches_serial(self, clf_data):
         # each candidate seeds torch itself, so workers reproduce the
         # serial run exactly
