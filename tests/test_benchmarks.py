@@ -312,11 +312,13 @@ def quoted_memory_plan():
     budgets = [(int(budget), row) for entry in plan['workloads'].values()
                for budget, row in entry['budgets'].items()]
     rows = [row for _, row in budgets]
-    # the chosen sizes' spread over repeats: neighbours on the plan's grid
-    near = sum(None not in row['chosen'] and (
-        len(set(row['chosen'])) == 1 or max(row['chosen']) == planned_above(
-            entry['batch_size'], min(row['chosen'])))
-        for entry in plan['workloads'].values() for row in entry['budgets'].values())
+    batch_sizes = [entry['batch_size'] for entry in plan['workloads'].values()
+                   for _ in entry['budgets']]
+    # the chosen sizes over the repeats: one, or neighbours on the plan's grid
+    same = [len(set(row['chosen'])) == 1 for row in rows]
+    near = sum(None not in row['chosen'] and (alike or max(row['chosen']) == (
+        planned_above(batch_size, min(row['chosen']))))
+        for row, alike, batch_size in zip(rows, same, batch_sizes))
     fits = [fit for row in rows for fit in row['fits']]
     capped = [row['rlimit_as'] for row in rows if row['rlimit_as']]
     backoffs = sum(len(fit['backoffs']) for fit in capped)
@@ -337,8 +339,7 @@ def quoted_memory_plan():
         'the predicted peak was {} of the measured one'.format(_span(
             every('predicted_vs_measured'), '{:.2f}x')),
         'the same size in all {} repeats for {} of the {} budgets'.format(
-            plan['repeats'], sum(len(set(row['chosen'])) == 1 for row in rows),
-            len(rows)),
+            plan['repeats'], sum(same), len(rows)),
         'but at most a grid step apart in {} of the {}'.format(near, len(rows)),
         'Fixed fits at the least planned size peaked at up to {:.2f}x'.format(max(
             row['probes'][str(min(filter(None, row['chosen']), default=1))]
